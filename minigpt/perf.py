@@ -1,0 +1,60 @@
+"""Throughput accounting: FLOPs per token, measured peak FLOP/s, model FLOPs utilisation, memory in use."""
+from __future__ import annotations
+
+import os
+import resource
+import time
+from functools import lru_cache
+
+import torch
+
+from .config import ModelConfig
+
+
+def flops_per_token(config: ModelConfig, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: ``6 * N + 12 * n_layers * n_heads * head_dim * seq_len``.
+
+    ``6N`` is forward (2N) plus backward (4N) over every weight matrix (Kaplan et al. 2020); the second term is
+    the attention score and value products, which have no parameters (Chowdhery et al. 2022, PaLM, appendix B;
+    nanoGPT's ``estimate_mfu``). ``N`` counts the tied LM head once, which is the matmul it performs. Inference
+    costs a third of this.
+    """
+    return 6.0 * n_params + 12.0 * config.n_layers * config.n_heads * config.head_dim * seq_len
+
+
+@lru_cache(maxsize=None)
+def measure_peak_flops(device_type: str, dtype: torch.dtype, size: int = 1024, seconds: float = 0.3) -> float:
+    """Measured dense matmul throughput of ``size x size`` products on this device, in FLOP/s.
+
+    MFU is quoted against this measured peak rather than a datasheet figure, because a shared 2-core VM's real
+    ceiling is what bounds us (and bf16 without hardware support can be 100x slower than fp32).
+    """
+    a = torch.randn(size, size, device=device_type).to(dtype)
+    b = torch.randn(size, size, device=device_type).to(dtype)
+    a @ b
+    n, start = 0, time.perf_counter()
+    while True:
+        a @ b
+        n += 1
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if elapsed > seconds:
+            return 2.0 * size**3 * n / elapsed
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process in bytes (current on Linux, peak elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """Memory in MiB: CUDA allocated/reserved, or process RSS on CPU."""
+    if device.type == "cuda":
+        return {"allocated_mb": torch.cuda.memory_allocated(device) / 2**20,
+                "reserved_mb": torch.cuda.memory_reserved(device) / 2**20}
+    return {"rss_mb": rss_bytes() / 2**20}

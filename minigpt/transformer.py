@@ -1,0 +1,129 @@
+"""The decoder-only Transformer: token embedding, ``n_layers`` pre-norm blocks, final RMSNorm, LM head.
+
+Architecture of Llama (Touvron et al. 2023): pre-norm residual blocks (Xiong et al. 2020) with RMSNorm, RoPE,
+grouped-query attention and a SwiGLU FFN; the LM head shares the embedding matrix when ``tie_embeddings``
+(Press & Wolf 2017).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import Attention
+from .config import ModelConfig
+from .ffn import SwiGLU
+from .kv_cache import KVCache
+from .norm import RMSNorm
+from .rope import rope_tables
+
+
+class Block(nn.Module):
+    """``h = x + attn(norm(x)); out = h + ffn(norm(h))``; ``[batch, seq_len, dim] -> [batch, seq_len, dim]``."""
+
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config, layer_id)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = SwiGLU(config.dim, config.hidden_dim, config.bias, config.dropout)
+
+    def forward(self, x, cos, sin, start_pos=0, kv_cache=None):
+        h = x + self.attention(self.attention_norm(x), cos, sin, start_pos, kv_cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """A Llama-style causal language model.
+
+    ``forward(tokens [batch, seq_len], start_pos, kv_cache) -> logits [batch, seq_len, vocab_size]`` (float32
+    under fp32 weights; the dtype of the weights or autocast otherwise).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.dropout = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        # Non-persistent: derived from the config, so they never enter a checkpoint.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation (Radford et al. 2019): N(0, 0.02) everywhere, the projections that write into the
+        residual stream (``wo``, ``w2``) scaled by ``1/sqrt(2 * n_layers)`` so the stream's variance stays flat."""
+        std = 0.02
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                scale = 1.0 / math.sqrt(2 * self.config.n_layers) if name.endswith(("wo", "w2")) else 1.0
+                nn.init.normal_(module.weight, mean=0.0, std=std * scale)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def new_kv_cache(
+        self, batch_size: int, max_seq_len: Optional[int] = None, dtype: Optional[torch.dtype] = None
+    ) -> KVCache:
+        """A zeroed :class:`KVCache` for ``batch_size`` rows of up to ``max_seq_len`` (default: the model's) tokens."""
+        c = self.config
+        max_seq_len = max_seq_len or c.max_seq_len
+        if max_seq_len > c.max_seq_len:
+            raise ValueError(f"cache length {max_seq_len} exceeds the model's max_seq_len {c.max_seq_len}")
+        dtype = dtype or self.tok_embeddings.weight.dtype
+        return KVCache(c.n_layers, batch_size, c.n_kv_heads, max_seq_len, c.head_dim, dtype,
+                       self.tok_embeddings.weight.device)
+
+    def forward(
+        self, tokens: torch.Tensor, start_pos: int = 0, kv_cache: Optional[KVCache] = None
+    ) -> torch.Tensor:
+        """Logits ``[batch, seq_len, vocab_size]`` for ``tokens`` at absolute positions ``start_pos + i``.
+
+        Raises ``ValueError`` when ``start_pos + seq_len`` exceeds ``max_seq_len``.
+        """
+        _, seq_len = tokens.shape
+        end = start_pos + seq_len
+        if end > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence of {end} positions exceeds the model's max_seq_len {self.config.max_seq_len}"
+            )
+        cos, sin = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]
+        h = self.dropout(self.tok_embeddings(tokens))
+        for layer in self.layers:
+            h = layer(h, cos, sin, start_pos, kv_cache)
+        return self.output(self.norm(h))
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy in nats/token (float32); ``tokens``/``targets`` ``[batch, seq_len]``."""
+        logits = self(tokens)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+    @classmethod
+    def from_pretrained(cls, directory, device="cpu", dtype=None) -> "Transformer":
+        """Load a MiniGPT or Hugging Face ``LlamaForCausalLM`` directory (see :func:`minigpt.checkpoint.load_model`)."""
+        from .checkpoint import load_model
+
+        return load_model(directory, device=device, dtype=dtype)
+
+    def save_pretrained(self, directory, tokenizer=None):
+        """Write ``config.json`` + ``model.safetensors`` (+ ``tokenizer.json``) atomically into ``directory``."""
+        from .checkpoint import save_pretrained
+
+        return save_pretrained(self, directory, tokenizer)
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Number of distinct parameters (tied matrices counted once)."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.tok_embeddings.weight.numel()
+        return n

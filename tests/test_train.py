@@ -1,0 +1,152 @@
+"""Training: schedule values, weight-decay groups, loss falls on real text, exact resume, atomic checkpoints."""
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY_MODEL
+from minigpt.checkpoint import load_model, resolve_checkpoint, verify_manifest
+from minigpt.config import ModelConfig
+from minigpt.errors import MiniGPTError
+from minigpt.schedule import decay_progress, warmup_cosine_lr
+from minigpt.train import TrainConfig, find_resume_checkpoint, param_groups, save_checkpoint, train
+from minigpt.transformer import Transformer
+
+
+def test_warmup_cosine_values():
+    lr, min_lr, warmup, total = 1e-3, 1e-4, 10, 110
+    at = lambda step: warmup_cosine_lr(step, lr=lr, min_lr=min_lr, warmup_steps=warmup,
+                                       progress=decay_progress(step, warmup, total))
+    assert at(0) == pytest.approx(lr / warmup)
+    assert at(warmup - 1) == pytest.approx(lr)  # warmup ends at the peak
+    assert at(warmup) == pytest.approx(lr)  # decay starts from the peak
+    assert at(warmup + 50) == pytest.approx((lr + min_lr) / 2)  # cosine midpoint
+    assert at(total) == pytest.approx(min_lr)  # end
+    assert at(total + 100) == pytest.approx(min_lr)  # and stays there
+    values = [at(s) for s in range(warmup, total + 1)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_time_budget_drives_progress_when_it_binds_first():
+    # 10 of 100 steps done but 75% of the time budget spent: the schedule follows time.
+    p = decay_progress(10, 0, 100, elapsed=75.0, warmup_end_time=0.0, max_time=100.0)
+    assert p == pytest.approx(0.75)
+    assert decay_progress(50, 0, 100) == pytest.approx(0.5)
+
+
+def test_weight_decay_only_on_matrices():
+    model = Transformer(ModelConfig(vocab_size=50, **TINY_MODEL))
+    decay, no_decay = param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[id(p)] for p in no_decay["params"]} == {n for n, _ in model.named_parameters() if "norm" in n}
+    # the tied embedding / LM head matrix appears once
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def _cfg(tiny_data, out_dir, **kw):
+    base = dict(data=str(tiny_data), out_dir=str(out_dir), preset="tiny", model=dict(TINY_MODEL), seq_len=32,
+                batch_size=8, lr=3e-3, warmup_steps=5, max_steps=60, eval_interval=30, eval_windows=16,
+                log_interval=5, ckpt_interval=1000, seed=0, threads=1)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_loss_falls_on_real_text(tiny_data, tmp_path):
+    result = train(_cfg(tiny_data, tmp_path / "run", max_steps=200, batch_size=16, lr=5e-3, eval_interval=100))
+    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    first, last = rows[0]["loss"], rows[-1]["loss"]
+    assert first > math.log(320) - 0.5  # starts near uniform
+    assert last < first - 1.5, (first, last)
+    assert result["val_loss"] < first - 1.0
+    assert result["val_bpb"] == pytest.approx(
+        result["val_loss"] * json.loads((tiny_data / "meta.json").read_text())["val"]["tokens"]
+        / json.loads((tiny_data / "meta.json").read_text())["val"]["bytes"] / math.log(2))
+    for key in ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "memory", "ppl"):
+        assert key in rows[-1]
+    assert "val_loss" in rows[-1] and "bpb" in rows[-1]
+    assert (tmp_path / "run" / "loss_curve.png").stat().st_size > 1000
+    assert (tmp_path / "run" / "config.yaml").is_file()
+    model = load_model(resolve_checkpoint(tmp_path / "run"))  # the run dir's `latest` is a loadable model
+    assert model.config.dim == 32
+
+
+def test_resume_reproduces_the_uninterrupted_run(tiny_data, tmp_path):
+    full = tmp_path / "full"
+    train(_cfg(tiny_data, full, max_steps=12, ckpt_interval=4, keep_checkpoints=10, model={**TINY_MODEL, "dropout": 0.1}))
+    # Simulate a crash right after the step-8 checkpoint: later checkpoints never happened.
+    crashed = tmp_path / "crashed"
+    shutil.copytree(full, crashed)
+    shutil.rmtree(crashed / "checkpoints" / "step_0000012")
+    (crashed / "latest").write_text("checkpoints/step_0000008\n")
+    train(_cfg(tiny_data, crashed, max_steps=12, ckpt_interval=4, keep_checkpoints=10, resume=True,
+               model={**TINY_MODEL, "dropout": 0.1}))
+    a = load_model(full / "checkpoints" / "step_0000012").state_dict()
+    b = load_model(crashed / "checkpoints" / "step_0000012").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows_a = [json.loads(l) for l in (full / "metrics.jsonl").read_text().splitlines()]
+    rows_b = [json.loads(l) for l in (crashed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows_b] == [r["step"] for r in rows_a]  # no duplicated or missing step
+    assert [r["loss"] for r in rows_b] == [r["loss"] for r in rows_a]  # same next-step losses
+
+
+def test_interrupted_checkpoint_write_keeps_the_last_good_one(tmp_path, monkeypatch):
+    model = Transformer(ModelConfig(vocab_size=50, **TINY_MODEL))
+    from minigpt.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(["hello world"] * 10, 260)
+    good = save_checkpoint(tmp_path, model, tok, {"step": 1}, keep=3)
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError, match="simulated"):
+        save_checkpoint(tmp_path, model, tok, {"step": 2}, keep=3)
+    assert (tmp_path / "latest").read_text().strip() == "checkpoints/step_0000001"
+    verify_manifest(good)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000001"]  # no half-written dir
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, capsys):
+    model = Transformer(ModelConfig(vocab_size=50, **TINY_MODEL))
+    from minigpt.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(["hello world"] * 10, 260)
+    save_checkpoint(tmp_path, model, tok, {"step": 1}, keep=3)
+    newest = save_checkpoint(tmp_path, model, tok, {"step": 2}, keep=3)
+    with open(newest / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    assert find_resume_checkpoint(tmp_path).name == "step_0000001"
+    assert "corrupt" in capsys.readouterr().err
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "minigpt", "train", "--data", str(tiny_data), "--out-dir", str(out),
+         "--max-steps", "100000", "--threads", "1", "--set", f"model={json.dumps(TINY_MODEL)}",
+         "--set", "seq_len=32", "--set", "batch_size=4", "--set", "log_interval=1", "--set", "eval_windows=4"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.time() + 120
+    metrics = out / "metrics.jsonl"
+    while time.time() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    assert "Traceback" not in output
+    ckpt = find_resume_checkpoint(out)
+    assert ckpt is not None
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+    assert state["step"] >= 3
