@@ -29,6 +29,21 @@ def causal_mask(q_len: int, kv_len: int, device: torch.device | None = None) -> 
     return k_pos <= q_pos
 
 
+def padded_causal_mask(attention_mask: torch.Tensor, q_len: int) -> torch.Tensor:
+    """Boolean mask ``[batch, 1, q_len, kv_len]`` from a padding mask ``attention_mask`` ``[batch, kv_len]``
+    (1 = real token, 0 = padding): causal, and no query sees a padding key.
+
+    A padding query would then see no key at all, and SDPA turns an all-masked row into NaN, which would leak into
+    the real rows through ``0 * NaN`` in ``softmax @ V`` of later layers; so every query may always see itself.
+    Padding rows compute garbage that no real token ever reads.
+    """
+    kv_len = attention_mask.shape[1]
+    allowed = causal_mask(q_len, kv_len, attention_mask.device)[None, None] & attention_mask.bool()[:, None, None, :]
+    q_pos = torch.arange(q_len, device=attention_mask.device)[:, None] + (kv_len - q_len)
+    itself = q_pos == torch.arange(kv_len, device=attention_mask.device)[None, :]
+    return allowed | itself
+
+
 class Attention(nn.Module):
     """Causal self-attention with RoPE and GQA.
 
@@ -42,10 +57,11 @@ class Attention(nn.Module):
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_dim
         self.attention_dropout = config.attention_dropout
-        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=config.bias)
-        self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.bias)
-        self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.bias)
-        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=config.bias)
+        bias = config.has_attention_bias
+        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=bias)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=bias)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=bias)
+        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(
@@ -55,11 +71,14 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         start_pos: int = 0,
         kv_cache: Optional[KVCache] = None,
+        mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """``cos``/``sin``: RoPE table rows for positions ``start_pos .. start_pos + seq_len``, ``[seq_len, head_dim]``.
+        """``cos``/``sin``: RoPE table rows for positions ``start_pos .. start_pos + seq_len``, ``[seq_len, head_dim]``,
+        or per-row positions ``[batch, 1, seq_len, head_dim]``.
 
         With ``kv_cache``, this call's keys/values are written at ``start_pos`` and the queries attend to the whole
-        cached prefix; without it, ``start_pos`` must be 0.
+        cached prefix; without it, ``start_pos`` must be 0. ``mask`` (boolean ``[batch, 1, seq_len, kv_len]``, True =
+        may attend, from :func:`padded_causal_mask`) replaces the plain causal mask.
         """
         batch, seq_len, _ = x.shape
         q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
@@ -73,8 +92,8 @@ class Attention(nn.Module):
             raise ValueError("start_pos > 0 needs a kv_cache holding the earlier positions")
 
         kv_len = k.shape[2]
-        mask, is_causal = None, False
-        if seq_len > 1:
+        is_causal = False
+        if mask is None and seq_len > 1:
             if kv_len == seq_len:
                 is_causal = True  # lets SDPA pick its fused causal kernel
             else:

@@ -1,8 +1,9 @@
 """Saving and loading models and training checkpoints, atomically and with clear errors.
 
 A model directory holds ``config.json`` (our :class:`ModelConfig` fields), ``model.safetensors`` and, when known,
-``tokenizer.json``. :func:`load_model` also accepts a Hugging Face ``LlamaForCausalLM`` directory (single-file or
-sharded safetensors). Every directory is written under a temporary name, fsynced, then renamed, so a crash leaves
+``tokenizer.json``. :func:`load_model` also accepts a Hugging Face Llama / Mistral / Qwen2 directory (single-file or
+sharded safetensors, any float dtype), a GGUF file (:mod:`minigpt.gguf_io`) and a llama2.c ``.bin`` checkpoint
+(:mod:`minigpt.llama2c`). Every directory is written under a temporary name, fsynced, then renamed, so a crash leaves
 either the old checkpoint or the new one, never half of one.
 """
 from __future__ import annotations
@@ -186,58 +187,149 @@ def load_config(directory: str | Path) -> ModelConfig:
     raise MiniGPTError(f"{directory}/config.json is neither a MiniGPT nor a Hugging Face config")
 
 
+def read_source(source: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """``(config, state_dict in our names)`` of any model source :func:`load_model` accepts.
+
+    Raises :class:`MiniGPTError` for a missing or unreadable source.
+    """
+    source = Path(source)
+    if source.is_file():
+        if source.suffix == ".gguf":
+            from .gguf_io import read_gguf, read_gguf_weights
+
+            gf = read_gguf(source)
+            return gf.config, read_gguf_weights(gf)
+        if source.suffix == ".bin":
+            from .llama2c import read_llama2c
+
+            return read_llama2c(source)
+        raise MiniGPTError(f"{source}: unknown model file type; expected a directory, a .gguf or a llama2.c .bin")
+    if not source.is_dir():
+        raise MiniGPTError(f"checkpoint {source} does not exist")
+    verify_manifest(source)
+    config = load_config(source)
+    tensors = read_weights(source)
+    d = _read_json(source / "config.json")
+    if hf.is_hf_dir(source) and d.get("format") != FORMAT:
+        tensors = hf.state_dict_from_hf(tensors, config, hf.architecture(d))
+    return config, tensors
+
+
 def load_model(
-    directory: str | Path,
+    source: str | Path,
     device: str | torch.device = "cpu",
     dtype: Optional[torch.dtype] = None,
 ) -> Transformer:
-    """Load a MiniGPT or Hugging Face ``LlamaForCausalLM`` directory into a :class:`Transformer` in eval mode.
+    """Load a model into a :class:`Transformer` in eval mode, ``dtype`` (default float32) on ``device``.
 
-    Raises :class:`MiniGPTError` for a missing directory/file, corrupt weights, or weights that do not fit the
-    config.
+    ``source``: a MiniGPT or Hugging Face directory, a ``.gguf`` file or a llama2.c ``.bin`` file. Raises
+    :class:`MiniGPTError` for a missing directory/file, corrupt weights, or weights that do not fit the config.
     """
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise MiniGPTError(f"checkpoint directory {directory} does not exist")
-    verify_manifest(directory)
-    config = load_config(directory)
-    tensors = read_weights(directory)
-    if hf.is_hf_dir(directory) and _read_json(directory / "config.json").get("format") != FORMAT:
-        tensors = hf.state_dict_from_hf(tensors, config)
+    config, tensors = read_source(source)
     with torch.device("meta"):
         model = Transformer(config)
     model = model.to_empty(device=device)
-    model.rope_cos, model.rope_sin = _rope_buffers(config, device)
+    model.init_rope(device)
     if config.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
-    ref_dtype = next(iter(tensors.values())).dtype if tensors else torch.float32
-    load_state_into(model, {k: v.to(ref_dtype) for k, v in tensors.items()}, str(directory))
+    # load_state_dict copies (and so converts) every tensor into the float32 parameters, whatever its dtype.
+    load_state_into(model, tensors, str(source))
     model = model.to(dtype=dtype or torch.float32)
     return model.eval()
 
 
-def _rope_buffers(config: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
-    from .rope import rope_tables
+def load_tokenizer(source: str | Path):
+    """The tokenizer of a model source: ``tokenizer.json`` or SentencePiece ``tokenizer.model`` in a directory,
+    the ``tokenizer.*`` metadata of a GGUF, or the tokenizer beside a llama2.c ``.bin``.
 
-    cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
-    return cos.to(device), sin.to(device)
+    Raises :class:`MiniGPTError` when there is none.
+    """
+    from .tokenizer import Tokenizer
+    from .tokenizer_interop import build_tokenizer
+
+    source = Path(source)
+    if source.is_file() and source.suffix == ".gguf":
+        from .gguf_io import read_vocab
+
+        vocab = read_vocab(source)
+        if vocab is None:
+            raise MiniGPTError(f"{source} has no tokenizer metadata (tokenizer.ggml.*)")
+        return Tokenizer(hf=build_tokenizer(vocab))
+    if source.is_file() and source.suffix == ".bin":
+        from .llama2c import find_tokenizer
+        from .tokenizer_interop import read_llama2c_tokenizer
+
+        found = find_tokenizer(source)
+        if found is None:
+            raise MiniGPTError(f"no tokenizer beside {source}: expected tokenizer.model, *.model, tokenizer.bin or "
+                               "tok*.bin in the same directory")
+        if found.suffix == ".model":
+            return Tokenizer.from_file(found)
+        return Tokenizer(hf=build_tokenizer(read_llama2c_tokenizer(found)))
+    return Tokenizer.from_dir(source)
 
 
-def load_tokenizer(directory: str | Path):
-    """The tokenizer stored beside the weights (``tokenizer.json`` or SentencePiece ``tokenizer.model``)."""
+def load_chat_template(source: str | Path) -> Optional[str]:
+    """The chat template (a Jinja string) stored with a model source, or None."""
+    source = Path(source)
+    if source.is_file() and source.suffix == ".gguf":
+        from .gguf_io import read_vocab
+
+        vocab = read_vocab(source)
+        return vocab.chat_template if vocab else None
+    if source.is_dir():
+        if (source / "chat_template.jinja").is_file():
+            return (source / "chat_template.jinja").read_text(encoding="utf-8")
+        if (source / "tokenizer_config.json").is_file():
+            return _read_json(source / "tokenizer_config.json").get("chat_template")
+    return None
+
+
+def import_model(
+    source: str | Path, out: str | Path, tokenizer_path: Optional[str | Path] = None, dtype: torch.dtype = torch.float32
+) -> Path:
+    """``minigpt import``: read any model source and write it as a MiniGPT model directory ``out``.
+
+    The tokenizer comes from ``tokenizer_path`` if given, else from the source (none: the model is written alone);
+    a chat template is kept in ``tokenizer_config.json``. Raises :class:`MiniGPTError` for an unreadable source.
+    """
     from .tokenizer import Tokenizer
 
-    return Tokenizer.from_dir(directory)
+    model = load_model(source, dtype=dtype)
+    if tokenizer_path is not None:
+        tokenizer = Tokenizer.from_file(tokenizer_path)
+    else:
+        try:
+            tokenizer = load_tokenizer(source)
+        except MiniGPTError:
+            tokenizer = None
+    if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
+        raise MiniGPTError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                           f"{model.config.vocab_size} embeddings")
+    chat_template = load_chat_template(source)
+    with atomic_dir(out) as tmp:
+        write_model_files(model, tmp, tokenizer)
+        if chat_template:
+            (tmp / "tokenizer_config.json").write_text(json.dumps({"chat_template": chat_template}, indent=2,
+                                                                  ensure_ascii=False) + "\n")
+    return Path(out)
+
+
+MODEL_FILE_SUFFIXES = (".gguf", ".bin")
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A model directory from a run directory (follows its ``latest`` pointer) or a model directory itself.
+    """A model source from a run directory (follows its ``latest`` pointer), a model directory, a ``.gguf`` file or
+    a llama2.c ``.bin`` file.
 
-    Raises :class:`MiniGPTError` if ``path`` is neither.
+    Raises :class:`MiniGPTError` if ``path`` is none of them.
     """
     path = Path(path)
+    if path.is_file() and path.suffix in MODEL_FILE_SUFFIXES:
+        return path
     if not path.is_dir():
-        raise MiniGPTError(f"checkpoint {path} does not exist (give a run dir, checkpoint dir or HF model dir)")
+        raise MiniGPTError(f"checkpoint {path} does not exist (give a run dir, checkpoint dir, HF model dir, "
+                           ".gguf file or llama2.c .bin file)")
     if (path / "config.json").is_file():
         return path
     latest = path / "latest"

@@ -158,6 +158,43 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Export a model to the Hugging Face or llama.cpp ecosystem.
+
+    --format hf writes a LlamaForCausalLM directory (config.json, safetensors, sharded above --max-shard-size,
+    generation_config.json, tokenizer files) that transformers loads offline. --format gguf writes a llama GGUF
+    (OUT ending in .gguf is the file, else OUT/model.gguf) in float32, float16, bfloat16 or q8_0.
+    """
+    from .checkpoint import resolve_checkpoint
+    from .export import export_gguf, export_hf
+
+    src = resolve_checkpoint(args.ckpt)
+    if args.format == "hf":
+        path = export_hf(src, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)
+    else:
+        path = export_gguf(src, args.out, dtype=args.dtype)
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    """Import a model into a MiniGPT model directory.
+
+    SRC: a Hugging Face directory (LlamaForCausalLM, MistralForCausalLM without sliding window, Qwen2ForCausalLM;
+    single-file or sharded safetensors; fp32/fp16/bf16), a llama GGUF file, or a llama2.c .bin checkpoint (its
+    tokenizer.model / tok*.bin is taken from the same folder). Every command that takes a checkpoint also accepts
+    SRC directly.
+    """
+    import torch
+
+    from .checkpoint import import_model, resolve_checkpoint
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    path = import_model(resolve_checkpoint(args.src), args.out, args.tokenizer, dtypes[args.dtype])
+    print(f"wrote {path}")
+    return 0
+
+
 def _common_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help="model preset: tiny, small, medium")
     p.add_argument("--config", help="YAML file of training options")
@@ -222,6 +259,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--echo", action="store_true", help="print the prompt before the generated text")
     p.add_argument("--truncate-prompt", dest="truncate_prompt", action="store_true",
                    help="drop the oldest prompt tokens instead of failing when the context is too short")
+
+    p = _add(sub, "export", cmd_export)
+    p.add_argument("ckpt", help="run dir, checkpoint dir, HF model dir, .gguf or llama2.c .bin")
+    p.add_argument("out", help="output directory (or .gguf file for --format gguf)")
+    p.add_argument("--format", required=True, choices=["hf", "gguf"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "q8_0"],
+                   help="weight type (q8_0: gguf only)")
+    p.add_argument("--max-shard-size", dest="max_shard_size", default="5GB",
+                   help="largest safetensors file for --format hf, e.g. 500MB (default 5GB)")
+
+    p = _add(sub, "import", cmd_import)
+    p.add_argument("src", help="HF model dir, .gguf file or llama2.c .bin file")
+    p.add_argument("out", help="MiniGPT model directory to write")
+    p.add_argument("--tokenizer", help="tokenizer.json / tokenizer.model to use instead of the source's")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     return parser
 
 

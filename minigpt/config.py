@@ -47,7 +47,13 @@ class ModelConfig:
     tie_embeddings: bool = True
     dropout: float = 0.0  # on the embedding and on each residual branch
     attention_dropout: float = 0.0  # on attention probabilities; forces SDPA's slow math path on CPU
-    bias: bool = False
+    bias: bool = False  # biases on every linear layer except the LM head (attention and FFN)
+    # Biases on the q/k/v/o projections only, as Hugging Face Llama's `attention_bias`. Qwen2 has q/k/v biases but
+    # none on o: minigpt.hf loads those models with a zero o bias, which computes exactly the same function.
+    attention_bias: bool = False
+    # RoPE context extension, e.g. {"type": "yarn", "factor": 4.0, "original_max_seq_len": 2048}; None = plain
+    # RoPE. Keys and formulas: minigpt.rope.ROPE_SCALING_KEYS.
+    rope_scaling: Optional[dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -85,6 +91,15 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.norm_eps must be positive, got {self.norm_eps!r}")
         if self.rope_theta <= 0:
             raise ValueError(f"ModelConfig.rope_theta must be positive, got {self.rope_theta!r}")
+        if self.rope_scaling is not None:
+            from .rope import validate_rope_scaling
+
+            validate_rope_scaling(self.rope_scaling)
+
+    @property
+    def has_attention_bias(self) -> bool:
+        """True when the attention projections carry biases (``bias`` or ``attention_bias``)."""
+        return self.bias or self.attention_bias
 
     @property
     def n_rep(self) -> int:

@@ -1,21 +1,28 @@
-"""The Hugging Face boundary: ``LlamaForCausalLM`` config and tensor names <-> ours.
+"""The Hugging Face boundary: ``config.json`` and tensor names of Llama-family models <-> ours.
 
-Only this module speaks Hugging Face's names (``hidden_size``, ``q_proj``...). Because our RoPE uses the same
-rotate-half layout as ``transformers``' Llama, the mapping is a pure rename: no tensor is permuted.
+Only this module (and the import/export modules built on it) speaks Hugging Face's names (``hidden_size``,
+``q_proj``...). Because our RoPE uses the same rotate-half layout as ``transformers``' Llama, the mapping is a pure
+rename: no tensor is permuted.
+
+Architectures read: ``LlamaForCausalLM``; ``MistralForCausalLM`` (a Llama whose only difference is sliding-window
+attention, so it is accepted only when the window covers the whole context); ``Qwen2ForCausalLM`` (a Llama with
+biases on q/k/v, loaded with ``attention_bias`` and a zero o bias; sliding window likewise refused). Architecture
+written: ``LlamaForCausalLM``.
 """
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from .config import ModelConfig
 from .errors import MiniGPTError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 # ours (per layer, after "layers.{i}.") -> Hugging Face (after "model.layers.{i}.")
 _LAYER_KEYS = {
@@ -24,10 +31,17 @@ _LAYER_KEYS = {
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.wo.bias": "self_attn.o_proj.bias",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w1.bias": "mlp.gate_proj.bias",
+    "feed_forward.w2.bias": "mlp.down_proj.bias",
+    "feed_forward.w3.bias": "mlp.up_proj.bias",
 }
 _GLOBAL_KEYS = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -37,6 +51,10 @@ _GLOBAL_KEYS = {
 _HF_LAYER = {v: k for k, v in _LAYER_KEYS.items()}
 _HF_GLOBAL = {v: k for k, v in _GLOBAL_KEYS.items()}
 _LAYER_RE = re.compile(r"^(model\.)?layers\.(\d+)\.(.+)$")
+
+# rope_scaling keys whose Hugging Face name differs from ours
+_ROPE_KEY_TO_HF = {"original_max_seq_len": "original_max_position_embeddings"}
+_ROPE_KEY_FROM_HF = {v: k for k, v in _ROPE_KEY_TO_HF.items()}
 
 
 def to_hf_key(key: str) -> str:
@@ -59,23 +77,76 @@ def from_hf_key(key: str) -> str:
     raise KeyError(f"unknown Hugging Face tensor {key!r}")
 
 
-def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """``config.json`` of a ``LlamaForCausalLM`` -> :class:`ModelConfig`.
+def architecture(hf: dict[str, Any]) -> str:
+    """The supported architecture a ``config.json`` dict describes; raises :class:`MiniGPTError` otherwise."""
+    archs = hf.get("architectures") or [_MODEL_TYPES.get(hf.get("model_type"), hf.get("model_type", "?"))]
+    if archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise MiniGPTError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return archs[0]
 
+
+def _sliding_window_check(hf: dict[str, Any], arch: str, context: int) -> None:
+    window = hf.get("sliding_window")
+    if arch == "Qwen2ForCausalLM":
+        layer_types = hf.get("layer_types") or []
+        if not hf.get("use_sliding_window") and "sliding_attention" not in layer_types:
+            return
+    if window is not None and window < context:
+        raise MiniGPTError(
+            f"{arch} with sliding-window attention (window {window} < context {context}) is not supported: MiniGPT "
+            "attends to the whole context; set sliding_window to null to use the model with full attention"
+        )
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
+    """``(rope_theta, rope_scaling)`` from ``rope_parameters`` (transformers 5) or ``rope_scaling`` (4.x)."""
+    params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise MiniGPTError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
+    if kind == "default":
+        return theta, None
+    keys = {"linear": ("factor",), "dynamic": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+            "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
+                     "mscale", "mscale_all_dim", "truncate")}
+    if kind not in keys:
+        raise MiniGPTError(f"RoPE scaling type {kind!r} is not supported; supported: default, {', '.join(keys)}")
+    scaling: dict[str, Any] = {"type": kind}
+    for key in keys[kind]:
+        if params.get(key) is not None:
+            scaling[_ROPE_KEY_FROM_HF.get(key, key)] = params[key]
+    if kind in ("llama3", "yarn"):
+        # transformers' default when the key is absent
+        scaling.setdefault("original_max_seq_len", hf.get("max_position_embeddings", 2048))
+    if kind == "dynamic":
+        # transformers' dynamic NTK takes max_position_embeddings as the original context.
+        scaling["original_max_seq_len"] = hf.get("max_position_embeddings", 2048)
+    return theta, scaling
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """``config.json`` of a ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` -> :class:`ModelConfig`.
+
+    ``max_seq_len`` is ``max_position_embeddings``, except with dynamic NTK scaling, where transformers reads
+    ``max_position_embeddings`` as the *original* context: there the model may run to ``factor`` times it.
     Raises :class:`MiniGPTError` for an unsupported architecture or a feature we do not implement.
     """
-    archs = hf.get("architectures") or [hf.get("model_type", "?")]
-    if archs[0] not in SUPPORTED_ARCHITECTURES and hf.get("model_type") != "llama":
-        raise MiniGPTError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    rope = hf.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", "default")
-    scaling = hf.get("rope_scaling")
-    if rope_type != "default" or (scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default")):
-        raise MiniGPTError(f"RoPE scaling {scaling or rope!r} is not supported yet; only default RoPE")
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise MiniGPTError("attention_bias / mlp_bias Llama variants are not supported yet")
+    arch = architecture(hf)
     if hf.get("hidden_act", "silu") != "silu":
         raise MiniGPTError(f"hidden_act {hf['hidden_act']!r} is not supported; only 'silu' (SwiGLU)")
+    context = hf.get("max_position_embeddings", 2048)
+    _sliding_window_check(hf, arch, context)
+    theta, scaling = _rope_from_hf(hf)
+    max_seq_len = context
+    if scaling is not None and scaling["type"] == "dynamic":
+        max_seq_len = int(context * scaling["factor"])
+    attention_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
+    if arch == "Qwen2ForCausalLM":
+        attention_bias, mlp_bias = True, False
+    if mlp_bias and not attention_bias:
+        raise MiniGPTError("mlp_bias without attention_bias is not supported (MiniGPT's `bias` covers both)")
     n_heads = hf["num_attention_heads"]
     return ModelConfig(
         vocab_size=hf["vocab_size"],
@@ -86,14 +157,41 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
         hidden_dim=hf["intermediate_size"],
         norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        max_seq_len=hf.get("max_position_embeddings", 2048),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_seq_len=max_seq_len,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bias=mlp_bias,
+        attention_bias=attention_bias and not mlp_bias,
     )
 
 
+def rope_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """Our RoPE settings as transformers 5's ``rope_parameters`` dict."""
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling:
+        params["rope_type"] = config.rope_scaling["type"]
+        for key, value in config.rope_scaling.items():
+            if key != "type":
+                params[_ROPE_KEY_TO_HF.get(key, key)] = value
+        if params["rope_type"] == "dynamic":
+            params.pop("original_max_position_embeddings", None)  # carried by max_position_embeddings instead
+        elif params["rope_type"] in ("llama3", "yarn"):
+            params.setdefault("original_max_position_embeddings", config.max_seq_len)
+    return params
+
+
 def config_to_hf(config: ModelConfig, **extra: Any) -> dict[str, Any]:
-    """:class:`ModelConfig` -> a ``LlamaForCausalLM`` ``config.json`` dict (``extra`` keys are merged in)."""
+    """:class:`ModelConfig` -> a ``LlamaForCausalLM`` ``config.json`` dict (``extra`` keys are merged in).
+
+    Written with both ``rope_parameters`` (transformers >= 5) and, when scaled, the equivalent ``rope_scaling``
+    (transformers 4.x, vLLM). Dynamic NTK puts the original context in ``max_position_embeddings`` (see
+    :func:`config_from_hf`).
+    """
+    rope = rope_to_hf(config)
+    context = config.max_seq_len
+    if config.rope_scaling and config.rope_scaling["type"] == "dynamic":
+        context = config.rope_scaling.get("original_max_seq_len", config.max_seq_len)
     d = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -106,13 +204,15 @@ def config_to_hf(config: ModelConfig, **extra: Any) -> dict[str, Any]:
         "head_dim": config.head_dim,
         "rms_norm_eps": config.norm_eps,
         "rope_theta": config.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "max_position_embeddings": config.max_seq_len,
+        "rope_parameters": rope,
+        "max_position_embeddings": context,
         "tie_word_embeddings": config.tie_embeddings,
-        "attention_bias": config.bias,
+        "attention_bias": config.has_attention_bias,
         "mlp_bias": config.bias,
         "hidden_act": "silu",
     }
+    if config.rope_scaling:
+        d["rope_scaling"] = dict(rope)
     d.update(extra)
     return d
 
@@ -129,8 +229,11 @@ def is_hf_dir(path: str | Path) -> bool:
     return "model_type" in d or "architectures" in d
 
 
-def state_dict_from_hf(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Rename a Hugging Face state dict to ours; drop ``lm_head`` when embeddings are tied.
+def state_dict_from_hf(
+    tensors: dict[str, torch.Tensor], config: ModelConfig, arch: str = "LlamaForCausalLM"
+) -> dict[str, torch.Tensor]:
+    """Rename a Hugging Face state dict to ours; drop ``lm_head`` when embeddings are tied; give Qwen2's
+    bias-free o projection the zero bias our ``attention_bias`` layout expects.
 
     Raises :class:`MiniGPTError` naming unknown tensors.
     """
@@ -146,4 +249,14 @@ def state_dict_from_hf(tensors: dict[str, torch.Tensor], config: ModelConfig) ->
         raise MiniGPTError(f"unexpected tensors in the Hugging Face checkpoint: {unknown[:5]}")
     if config.tie_embeddings:
         out.pop("output.weight", None)
+    if arch == "Qwen2ForCausalLM":
+        for i in range(config.n_layers):
+            wo = out.get(f"layers.{i}.attention.wo.weight")
+            if wo is not None:
+                out.setdefault(f"layers.{i}.attention.wo.bias", torch.zeros(config.dim, dtype=wo.dtype))
     return out
+
+
+def state_dict_to_hf(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our state dict (tied head already removed) -> ``LlamaForCausalLM`` names."""
+    return {to_hf_key(k): v for k, v in sd.items()}

@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import Attention
+from .attention import Attention, padded_causal_mask
 from .config import ModelConfig
 from .ffn import SwiGLU
 from .kv_cache import KVCache
 from .norm import RMSNorm
-from .rope import rope_tables
+from .rope import RopeScaling, rope_tables
 
 
 class Block(nn.Module):
@@ -31,16 +31,27 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = SwiGLU(config.dim, config.hidden_dim, config.bias, config.dropout)
 
-    def forward(self, x, cos, sin, start_pos=0, kv_cache=None):
-        h = x + self.attention(self.attention_norm(x), cos, sin, start_pos, kv_cache)
+    def forward(self, x, cos, sin, start_pos=0, kv_cache=None, mask=None):
+        h = x + self.attention(self.attention_norm(x), cos, sin, start_pos, kv_cache, mask)
         return h + self.feed_forward(self.ffn_norm(h))
+
+
+def positions_from_mask(attention_mask: torch.Tensor, start_pos: int, seq_len: int) -> torch.Tensor:
+    """Per-row positions ``[batch, seq_len]`` (int64) of the tokens at ``start_pos .. start_pos + seq_len``.
+
+    ``attention_mask`` ``[batch, start_pos + seq_len]`` (1 = real token, 0 = padding) covers the cached prefix and
+    the new tokens. A row's first real token is position 0, so a left-padded prompt is rotated exactly as if it
+    were alone: ``cumsum(mask) - 1``, with padding clamped to 0 (what ``transformers``' ``generate`` does).
+    """
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions[:, start_pos:start_pos + seq_len].clamp(min=0)
 
 
 class Transformer(nn.Module):
     """A Llama-style causal language model.
 
-    ``forward(tokens [batch, seq_len], start_pos, kv_cache) -> logits [batch, seq_len, vocab_size]`` (float32
-    under fp32 weights; the dtype of the weights or autocast otherwise).
+    ``forward(tokens [batch, seq_len], start_pos, kv_cache, attention_mask) -> logits [batch, seq_len,
+    vocab_size]`` (float32 under fp32 weights; the dtype of the weights or autocast otherwise).
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -53,11 +64,20 @@ class Transformer(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
-        # Non-persistent: derived from the config, so they never enter a checkpoint.
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_rope()
         self.reset_parameters()
+
+    def init_rope(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the RoPE frequencies and ``cos``/``sin`` tables from the config, on ``device``.
+
+        Called again after building a model on the meta device, whose tables would otherwise be empty.
+        """
+        c = self.config
+        self.rope = RopeScaling(c.head_dim, c.rope_theta, c.rope_scaling, c.max_seq_len)
+        cos, sin = rope_tables(c.head_dim, c.max_seq_len, c.rope_theta, c.rope_scaling)
+        # Non-persistent: derived from the config, so they never enter a checkpoint.
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
 
     def reset_parameters(self) -> None:
         """GPT-2 initialisation (Radford et al. 2019): N(0, 0.02) everywhere, the projections that write into the
@@ -85,23 +105,54 @@ class Transformer(nn.Module):
                        self.tok_embeddings.weight.device)
 
     def forward(
-        self, tokens: torch.Tensor, start_pos: int = 0, kv_cache: Optional[KVCache] = None
+        self,
+        tokens: torch.Tensor,
+        start_pos: int = 0,
+        kv_cache: Optional[KVCache] = None,
+        attention_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Logits ``[batch, seq_len, vocab_size]`` for ``tokens`` at absolute positions ``start_pos + i``.
 
-        Raises ``ValueError`` when ``start_pos + seq_len`` exceeds ``max_seq_len``.
+        ``attention_mask`` ``[batch, start_pos + seq_len]`` (1 = real token, 0 = padding; rows left-padded) makes
+        each row's positions start at its first real token (:func:`positions_from_mask`) and hides padding keys, so
+        the logits at real tokens equal those of each row run alone. Without it nothing extra is computed.
+
+        Raises ``ValueError`` when ``start_pos + seq_len`` exceeds ``max_seq_len`` or the mask has the wrong shape.
         """
-        _, seq_len = tokens.shape
+        batch, seq_len = tokens.shape
         end = start_pos + seq_len
         if end > self.config.max_seq_len:
             raise ValueError(
                 f"sequence of {end} positions exceeds the model's max_seq_len {self.config.max_seq_len}"
             )
-        cos, sin = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]
+        mask = None
+        if attention_mask is None:
+            if self.rope.is_dynamic and end > self.rope.original:
+                cos, sin = self.rope.tables(torch.arange(start_pos, end, device=tokens.device),
+                                            self.rope.dynamic_inv_freq(end))
+            else:
+                cos, sin = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]
+        else:
+            if tuple(attention_mask.shape) != (batch, end):
+                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(batch, end)} "
+                                 "(batch, cached + new tokens)")
+            positions = positions_from_mask(attention_mask, start_pos, seq_len)
+            cos, sin = self._rope_at(positions)
+            mask = padded_causal_mask(attention_mask, seq_len)
         h = self.dropout(self.tok_embeddings(tokens))
         for layer in self.layers:
-            h = layer(h, cos, sin, start_pos, kv_cache)
+            h = layer(h, cos, sin, start_pos, kv_cache, mask)
         return self.output(self.norm(h))
+
+    def _rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE rows ``[batch, 1, seq_len, head_dim]`` for per-row ``positions`` ``[batch, seq_len]``."""
+        if self.rope.is_dynamic:
+            # transformers sizes the dynamic-NTK base by the largest position in the batch.
+            longest = int(positions.max()) + 1
+            if longest > self.rope.original:
+                cos, sin = self.rope.tables(positions, self.rope.dynamic_inv_freq(longest))
+                return cos[:, None], sin[:, None]
+        return self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy in nats/token (float32); ``tokens``/``targets`` ``[batch, seq_len]``."""
