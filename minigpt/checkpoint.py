@@ -239,7 +239,7 @@ def load_model(
 
 
 def load_tokenizer(source: str | Path):
-    """The tokenizer of a model source: ``tokenizer.json`` or SentencePiece ``tokenizer.model`` in a directory,
+    """The tokenizer of a model source: SentencePiece ``tokenizer.model`` or else ``tokenizer.json`` in a directory,
     the ``tokenizer.*`` metadata of a GGUF, or the tokenizer beside a llama2.c ``.bin``.
 
     Raises :class:`MiniGPTError` when there is none.
@@ -266,6 +266,10 @@ def load_tokenizer(source: str | Path):
         if found.suffix == ".model":
             return Tokenizer.from_file(found)
         return Tokenizer(hf=build_tokenizer(read_llama2c_tokenizer(found)))
+    if (source / "tokenizer.model").is_file():
+        # A tokenizer.json beside a SentencePiece model is a conversion of it (Hugging Face repos, our own HF
+        # export) that differs in whitespace normalisation; the original is the reference.
+        return Tokenizer.from_file(source / "tokenizer.model")
     return Tokenizer.from_dir(source)
 
 

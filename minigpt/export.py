@@ -4,8 +4,9 @@ Hugging Face directory (what ``transformers.AutoModelForCausalLM`` / ``AutoToken
 offline): ``config.json`` (:func:`minigpt.hf.config_to_hf` plus special-token ids and dtype), ``model.safetensors``
 or, above ``max_shard_size``, ``model-0000i-of-0000n.safetensors`` shards with ``model.safetensors.index.json``
 (``{"metadata": {"total_size": bytes}, "weight_map": {tensor: shard}}``, the layout of ``transformers``'
-``save_pretrained``), ``generation_config.json``, and the tokenizer (``tokenizer.json`` or ``tokenizer.model``)
-with ``tokenizer_config.json`` and ``special_tokens_map.json``. The directory is written atomically.
+``save_pretrained``), ``generation_config.json``, and the tokenizer (``tokenizer.json``; a SentencePiece model is
+written both as is, ``tokenizer.model``, and rebuilt as ``tokenizer.json``) with ``tokenizer_config.json`` and
+``special_tokens_map.json``. The directory is written atomically.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from safetensors.torch import save_file
 from . import hf
 from .checkpoint import atomic_dir, load_chat_template, load_model, load_tokenizer, model_state_dict
 from .errors import MiniGPTError
-from .tokenizer_interop import hf_tokenizer_config, vocab_from_file
+from .tokenizer_interop import build_tokenizer, hf_tokenizer_config, vocab_from_file
 
 HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -104,6 +105,11 @@ def export_hf(source: str | Path, out: str | Path, dtype: str = "float32", max_s
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         if tokenizer is not None:
             tokenizer_file = tokenizer.save(tmp)
+            if tokenizer_file.suffix == ".model":
+                # transformers can convert a tokenizer.model only with protobuf installed; an equivalent
+                # tokenizer.json beside it loads with nothing extra (minigpt keeps using the .model).
+                tokenizer_file = tmp / "tokenizer.json"
+                build_tokenizer(vocab_from_file(tmp / "tokenizer.model")).save(str(tokenizer_file))
             tok_config, special_map = hf_tokenizer_config(tokenizer_file, ids, model.config.max_seq_len,
                                                           load_chat_template(source))
             (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")

@@ -255,6 +255,11 @@ def write_gguf(
 
     if dtype not in WRITE_TYPES:
         raise MiniGPTError(f"GGUF type {dtype!r} is not supported for writing; choose one of {sorted(WRITE_TYPES)}")
+    from .hf import check_representable
+
+    check_representable(config, "llama GGUF")
+    if config.bias:
+        raise MiniGPTError("FFN biases (ModelConfig.bias) cannot be written to a llama GGUF; attention_bias can")
     scaling = config.rope_scaling
     if scaling and scaling["type"] != "linear":
         raise MiniGPTError(f"RoPE scaling {scaling['type']!r} cannot be written to GGUF here; supported: none, linear")

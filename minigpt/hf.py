@@ -11,6 +11,7 @@ written: ``LlamaForCausalLM``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -88,8 +89,13 @@ def architecture(hf: dict[str, Any]) -> str:
 def _sliding_window_check(hf: dict[str, Any], arch: str, context: int) -> None:
     window = hf.get("sliding_window")
     if arch == "Qwen2ForCausalLM":
-        layer_types = hf.get("layer_types") or []
-        if not hf.get("use_sliding_window") and "sliding_attention" not in layer_types:
+        # Qwen2 slides only when use_sliding_window is set, and only in layers from max_window_layers on
+        # (transformers 5 spells the result out as layer_types).
+        if "layer_types" in hf and hf["layer_types"] is not None:
+            sliding = "sliding_attention" in hf["layer_types"]
+        else:
+            sliding = bool(hf.get("use_sliding_window")) and hf.get("max_window_layers", 0) < hf["num_hidden_layers"]
+        if not sliding:
             return
     if window is not None and window < context:
         raise MiniGPTError(
@@ -127,7 +133,7 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """``config.json`` of a ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` -> :class:`ModelConfig`.
+    """``config.json`` of a Llama / Mistral / Qwen2 ``...ForCausalLM`` -> :class:`ModelConfig`.
 
     ``max_seq_len`` is ``max_position_embeddings``, except with dynamic NTK scaling, where transformers reads
     ``max_position_embeddings`` as the *original* context: there the model may run to ``factor`` times it.
@@ -166,6 +172,26 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     )
 
 
+# ModelConfig fields a Llama checkpoint represents, or that do not change what a trained model computes (dropout).
+_REPRESENTED = {"vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "multiple_of",
+                "ffn_dim_multiplier", "norm_eps", "rope_theta", "rope_scaling", "max_seq_len", "tie_embeddings",
+                "dropout", "attention_dropout", "bias", "attention_bias"}
+
+
+def check_representable(config: ModelConfig, target: str = "LlamaForCausalLM") -> None:
+    """Raise :class:`MiniGPTError` naming the first config field set to a feature a Llama checkpoint cannot hold.
+
+    Any field not in the list above must keep its default, so a feature added to :class:`ModelConfig` later is
+    refused by the exporters until they learn to write it.
+    """
+    for f in dataclasses.fields(config):
+        if f.name in _REPRESENTED:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        if getattr(config, f.name) != default:
+            raise MiniGPTError(f"{f.name}={getattr(config, f.name)!r} cannot be represented in a {target} export")
+
+
 def rope_to_hf(config: ModelConfig) -> dict[str, Any]:
     """Our RoPE settings as transformers 5's ``rope_parameters`` dict."""
     params: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
@@ -188,6 +214,7 @@ def config_to_hf(config: ModelConfig, **extra: Any) -> dict[str, Any]:
     (transformers 4.x, vLLM). Dynamic NTK puts the original context in ``max_position_embeddings`` (see
     :func:`config_from_hf`).
     """
+    check_representable(config)
     rope = rope_to_hf(config)
     context = config.max_seq_len
     if config.rope_scaling and config.rope_scaling["type"] == "dynamic":

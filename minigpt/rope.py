@@ -56,8 +56,8 @@ def validate_rope_scaling(scaling: Any) -> None:
     if required - keys:
         raise ValueError(f"ModelConfig.rope_scaling of type {kind!r} needs {sorted(required - keys)}")
     if keys - required - optional:
-        raise ValueError(f"ModelConfig.rope_scaling of type {kind!r} has unknown keys {sorted(keys - required - optional)}; "
-                         f"valid: {sorted(required | optional)}")
+        raise ValueError(f"ModelConfig.rope_scaling of type {kind!r} has unknown keys "
+                         f"{sorted(keys - required - optional)}; valid: {sorted(required | optional)}")
     for key in keys - {"truncate", "attention_factor", "mscale", "mscale_all_dim"}:
         value = scaling[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -168,7 +168,9 @@ class RopeScaling:
         inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
         return inv_freq, float(attention_factor)
 
-    def tables(self, positions: torch.Tensor, inv_freq: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(
+        self, positions: torch.Tensor, inv_freq: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` of shape ``[*positions.shape, head_dim]`` float32 for integer ``positions``."""
         inv_freq = self.inv_freq if inv_freq is None else inv_freq
         freqs = positions.float()[..., None] * inv_freq.to(positions.device)

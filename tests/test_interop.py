@@ -271,6 +271,18 @@ def test_exported_tokenizer_matches_ours_in_transformers(tmp_path):
     assert (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id) == (0, 0, 1)
 
 
+def test_features_a_llama_cannot_hold_are_refused_by_name():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Variant(ModelConfig):  # a field a later feature might add to ModelConfig
+        norm: str = "rmsnorm"
+
+    hf.config_to_hf(Variant())
+    with pytest.raises(MiniGPTError, match="norm='layernorm' cannot be represented in a LlamaForCausalLM export"):
+        hf.config_to_hf(Variant(norm="layernorm"))
+
+
 def test_parse_size():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("1GiB") == 2**30 and parse_size("30KB") == 30000
     with pytest.raises(MiniGPTError, match="invalid size"):
@@ -329,6 +341,23 @@ def test_stories260k_bin_reproduces_reference_greedy(shared_data):
     assert out == greedy["generated_ids"]
     tok = load_tokenizer(folder / "stories260K.bin")  # tok512.model beside it
     assert tok.backend == "sentencepiece" and tok.decode(out).startswith("Once upon a time")
+
+
+def test_sentencepiece_model_exports_for_autotokenizer(shared_data, tmp_path):
+    """A tokenizer.model is exported as is plus a rebuilt tokenizer.json, so AutoTokenizer needs no protobuf; it
+    encodes real TinyStories paragraphs exactly like sentencepiece (trailing/double spaces included)."""
+    folder = shared_data / "models" / "stories260K"
+    export_hf(folder / "stories260K.bin", tmp_path / "hf")
+    assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == (folder / "tok512.model").read_bytes()
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ours = load_tokenizer(tmp_path / "hf")
+    assert ours.backend == "sentencepiece"
+    text = (shared_data / "tinystories_valid_head.txt").read_text(encoding="utf-8")
+    paragraphs = [p for p in text.split("\n") if p.strip()][:300] + ["  two  spaces  ", "tab\there"]
+    for p in paragraphs:
+        assert theirs(p).input_ids == ours.encode(p), p
+    ids = ours.encode(paragraphs[0])
+    assert theirs.decode(ids) == ours.decode(ids)
 
 
 def test_llama2c_tokenizer_bin_encodes_like_sentencepiece(shared_data):
