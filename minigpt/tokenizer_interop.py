@@ -15,7 +15,7 @@ MiniGPT itself uses it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -63,7 +63,6 @@ class Vocab:
     remove_extra_whitespaces: bool = False  # SentencePiece's normalizer option; not stored in GGUF
     add_bos: bool = False
     chat_template: Optional[str] = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def token(self, i: Optional[int]) -> Optional[str]:
         return None if i is None else self.tokens[i]

@@ -278,3 +278,20 @@ def test_unsupported_rope_scaling_for_gguf_export(tmp_path):
     model = random_model(rope_scaling={"type": "yarn", "factor": 2.0})
     with pytest.raises(MiniGPTError, match="RoPE scaling 'yarn' cannot be written to GGUF"):
         gguf_io.write_gguf(model_state_dict(model), model.config, tmp_path / "m.gguf")
+
+
+def test_pre_tokenizer_patterns_round_trip(tmp_path, tokenizer):
+    """A byte-level vocabulary with Llama 3's split pattern: built from GGUF-style metadata, saved, read back under
+    the same llama.cpp name; an unknown pre-tokenizer is refused by name."""
+    from minigpt.tokenizer_interop import build_tokenizer
+
+    vocab = vocab_of(tokenizer)
+    vocab.pre = "llama-bpe"
+    built = build_tokenizer(vocab)
+    pieces = [p for p, _ in built.pre_tokenizer.pre_tokenize_str("abc 12345 def")]
+    assert pieces == ["abc", "Ġ", "123", "45", "Ġdef"]  # digits split in groups of 3, the space stands alone
+    built.save(str(tmp_path / "tokenizer.json"))
+    assert vocab_from_file(tmp_path / "tokenizer.json").pre == "llama-bpe"
+    vocab.pre = "tekken"
+    with pytest.raises(MiniGPTError, match="pre-tokenizer 'tekken' is not supported"):
+        build_tokenizer(vocab)

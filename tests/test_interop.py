@@ -9,7 +9,6 @@ import sys
 import pytest
 import torch
 
-from conftest import TINY_MODEL
 from minigpt import hf
 from minigpt.checkpoint import import_model, load_model, load_tokenizer, save_pretrained
 from minigpt.config import ModelConfig
