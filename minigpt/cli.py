@@ -83,6 +83,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             options[key] = value
     if args.resume:
         options["resume"] = True
+    if args.compile:
+        options["compile"] = True
     for item in args.set or []:
         if "=" not in item:
             raise MiniGPTError(f"--set expects KEY=VALUE, got {item!r}")
@@ -210,6 +212,7 @@ def _common_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float)
     p.add_argument("--vocab-size", dest="vocab_size", type=int, help="tokenizer size if the data is prepared here")
     p.add_argument("--threads", type=int, help="torch intra-op threads")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (compile time counts as training)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="any training option, or model.FIELD=VALUE for the model config (repeatable)")
 

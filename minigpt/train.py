@@ -34,7 +34,7 @@ from .errors import MiniGPTError
 from .perf import flops_per_token, measure_peak_flops, memory_stats
 from .schedule import decay_progress, warmup_cosine_lr
 from .tokenizer import Tokenizer
-from .transformer import Transformer
+from .transformer import Transformer, lm_loss
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -70,14 +70,17 @@ class TrainConfig:
     dtype: str = "float32"
     seed: int = 1337
     threads: Optional[int] = None
+    compile: bool = False  # torch.compile the model; the compile time is part of the first step's time
     resume: bool = False
+    max_bad_steps: int = 5  # abort after this many consecutive non-finite steps (each one is skipped)
 
     def __post_init__(self) -> None:
         if self.max_steps is None and self.max_time is None:
             raise ValueError("set --max-steps and/or --max-time: the schedule needs a budget")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("batch_size", "grad_accum", "eval_interval", "eval_windows", "log_interval", "ckpt_interval"):
+        for name in ("batch_size", "grad_accum", "eval_interval", "eval_windows", "log_interval", "ckpt_interval",
+                     "max_bad_steps"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
@@ -298,7 +301,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     eval_x, eval_y = data_mod.eval_windows(val_tokens, seq_len, cfg.eval_windows)
     ctx = autocast_context(device, dtype)
 
-    step, tokens_seen, train_time, warmup_end_time = 0, 0, 0.0, None
+    step, tokens_seen, train_time, warmup_end_time, bad_steps = 0, 0, 0.0, None, 0
     metrics_path = out_dir / "metrics.jsonl"
     if resume_from is not None:
         state = torch.load(resume_from / "trainer_state.pt", map_location=device, weights_only=True)
@@ -315,6 +318,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     elif metrics_path.exists():
         metrics_path.unlink()
 
+    # Only the training forward is compiled: evaluation (other mode, ragged last batch) stays eager instead of
+    # paying for recompilations.
+    train_forward = torch.compile(model) if cfg.compile else model
     n_params = model.num_parameters()
     fpt = flops_per_token(model_cfg, n_params, seq_len)
     peak = measure_peak_flops(device.type, dtype)
@@ -376,12 +382,27 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 x, y = sampler.next()
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 with ctx:
-                    loss = model.loss(x, y) / cfg.grad_accum
+                    loss = lm_loss(train_forward(x), y) / cfg.grad_accum
                 scaler.scale(loss).backward()
                 loss_sum += loss.detach()  # stays on the device: no host sync per micro-step
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            scaler.step(optimizer)
+            # One host sync per optimizer step: a NaN/inf update would poison the weights for good.
+            finite = scaler.is_enabled() or bool(torch.isfinite(grad_norm) and torch.isfinite(loss_sum))
+            if finite:
+                scaler.step(optimizer)  # (the fp16 scaler skips non-finite steps itself)
+                bad_steps = 0
+            else:
+                bad_steps += 1
+                log({"step": step + 1, "tokens": tokens_seen + tokens_per_step, "skipped": "non-finite",
+                     "loss": loss_sum.item(), "grad_norm": grad_norm.item()})
+                print(f"step {step + 1}: non-finite loss or gradient, update skipped "
+                      f"({bad_steps}/{cfg.max_bad_steps} in a row)", file=sys.stderr, flush=True)
+                if bad_steps >= cfg.max_bad_steps:
+                    optimizer.zero_grad(set_to_none=True)
+                    raise MiniGPTError(
+                        f"training diverged: {bad_steps} consecutive steps with a non-finite loss or gradient at "
+                        f"step {step + 1}; the last good checkpoint is kept (lower --lr, or resume with --resume)")
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             step += 1

@@ -156,8 +156,7 @@ class Transformer(nn.Module):
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy in nats/token (float32); ``tokens``/``targets`` ``[batch, seq_len]``."""
-        logits = self(tokens)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return lm_loss(self(tokens), targets)
 
     @classmethod
     def from_pretrained(cls, directory, device="cpu", dtype=None) -> "Transformer":
@@ -178,3 +177,9 @@ class Transformer(nn.Module):
         if exclude_embeddings:
             n -= self.tok_embeddings.weight.numel()
         return n
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``logits`` ``[batch, seq_len, vocab_size]`` against ``targets`` ``[batch, seq_len]``,
+    in nats/token, computed in float32."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
