@@ -150,3 +150,39 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_data, tmp_path):
     assert ckpt is not None
     state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
     assert state["step"] >= 3
+
+
+def _nan_after(n_good, n_bad=10**9):
+    """An lm_loss that is finite for n_good calls, then NaN for n_bad calls, then finite again."""
+    from minigpt.transformer import lm_loss
+
+    calls = {"n": 0}
+
+    def loss(logits, targets):
+        calls["n"] += 1
+        value = lm_loss(logits, targets)
+        return value * float("nan") if n_good < calls["n"] <= n_good + n_bad else value
+
+    return loss
+
+
+def test_a_non_finite_step_is_skipped_and_training_continues(tiny_data, tmp_path, monkeypatch):
+    import minigpt.train as train_mod
+
+    monkeypatch.setattr(train_mod, "lm_loss", _nan_after(5, n_bad=1))
+    train(_cfg(tiny_data, tmp_path / "run", max_steps=10, log_interval=1))
+    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("skipped")] == [6]
+    model = load_model(resolve_checkpoint(tmp_path / "run"))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_consecutive_non_finite_steps_abort_and_keep_the_last_good_checkpoint(tiny_data, tmp_path, monkeypatch):
+    import minigpt.train as train_mod
+
+    monkeypatch.setattr(train_mod, "lm_loss", _nan_after(8))
+    with pytest.raises(MiniGPTError, match="3 consecutive steps with a non-finite"):
+        train(_cfg(tiny_data, tmp_path / "run", max_steps=50, ckpt_interval=4, max_bad_steps=3))
+    good = find_resume_checkpoint(tmp_path / "run")
+    assert good.name == "step_0000008"
+    assert all(torch.isfinite(p).all() for p in load_model(good).parameters())
