@@ -46,35 +46,47 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-@contextlib.contextmanager
-def atomic_dir(final: str | Path) -> Iterator[Path]:
-    """Yield a temporary sibling directory; on success write a SHA-256 manifest, fsync and rename it to ``final``.
-
-    If ``final`` exists it is replaced only after the new directory is complete. On an exception the temporary
-    directory is removed and ``final`` is untouched.
-    """
+def begin_atomic_dir(final: str | Path) -> Path:
+    """Create and return an empty temporary sibling of ``final`` to write a directory into."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    return tmp
+
+
+def commit_atomic_dir(tmp: Path, final: str | Path) -> Path:
+    """Write ``tmp``'s SHA-256 manifest (every file, subdirectories included), fsync everything, rename to
+    ``final``. An existing ``final`` is replaced only once the new directory is complete."""
+    final = Path(final)
+    files = sorted(p for p in tmp.rglob("*") if p.is_file() and p.name != MANIFEST)
+    manifest = {str(p.relative_to(tmp)): {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    for p in [*files, tmp / MANIFEST]:
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+    for d in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
+        _fsync_dir(d)
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    _fsync_dir(final.parent)
+    if old.exists():
+        shutil.rmtree(old)
+    return final
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | Path) -> Iterator[Path]:
+    """Yield a temporary directory; on success it becomes ``final`` (see :func:`commit_atomic_dir`). On an
+    exception the temporary directory is removed and ``final`` is untouched."""
+    tmp = begin_atomic_dir(final)
     try:
         yield tmp
-        files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != MANIFEST)
-        manifest = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        for p in tmp.iterdir():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
-        _fsync_dir(final.parent)
-        if old.exists():
-            shutil.rmtree(old)
+        commit_atomic_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -153,6 +165,9 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
             return tensors
     except SafetensorError as e:
         raise MiniGPTError(f"{directory}: the weights file is corrupt or truncated ({e})") from None
+    if (directory / "dcp").is_dir():
+        raise MiniGPTError(f"{directory} is a sharded training checkpoint: run `minigpt checkpoint consolidate "
+                           f"{directory} OUT_DIR` to make a single-file model")
     raise MiniGPTError(f"{directory} has no weights: expected model.safetensors (or a sharded index)")
 
 

@@ -698,9 +698,15 @@ class BatchSampler:
     ``get_batch``); windows may span document boundaries (the end-of-text id marks them).
     :meth:`state_dict` / :meth:`load_state_dict` capture the generator so a resumed run draws exactly the batches
     the uninterrupted run would have drawn.
+
+    Data parallelism: every rank holds its own generator with the same seed, draws the offsets of the whole
+    global batch (``batch_size * world_size`` windows) and keeps its own slice ``rank``. The data order is
+    therefore independent of the world size: two ranks of batch ``b`` see exactly the windows one process of batch
+    ``2b`` sees, and a run can resume on a different number of ranks without changing its data.
     """
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int):
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, rank: int = 0,
+                 world_size: int = 1):
         if batch_size < 1 or seq_len < 1:
             raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
         if tokens.ndim != 1:
@@ -708,7 +714,10 @@ class BatchSampler:
         if len(tokens) < seq_len + 1:
             raise ValueError(f"the split has {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}: use a "
                              f"shorter seq_len or more data")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size), got rank {rank} of {world_size}")
         self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
+        self.rank, self.world_size = rank, world_size
         self.generator = torch.Generator().manual_seed(seed)
         self.batches_drawn = 0
         self._arange = np.arange(seq_len + 1)
@@ -717,7 +726,8 @@ class BatchSampler:
         """Return ``(x, y)``, int64 tensors of shape ``[batch_size, seq_len]`` with ``y[:, t] == x[:, t + 1]``
         for ``t < seq_len - 1`` (the next-token targets)."""
         high = len(self.tokens) - self.seq_len  # exclusive: offset + seq_len + 1 <= len(tokens)
-        offsets = torch.randint(0, high, (self.batch_size,), generator=self.generator).numpy()
+        offsets = torch.randint(0, high, (self.batch_size * self.world_size,), generator=self.generator).numpy()
+        offsets = offsets[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
         windows = torch.from_numpy(np.asarray(self.tokens[offsets[:, None] + self._arange], dtype=np.int64))
         self.batches_drawn += 1
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()

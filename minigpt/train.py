@@ -5,17 +5,18 @@ Run directory layout (``out_dir``)::
     config.yaml          resolved training config (written at start)
     metrics.jsonl        one JSON object per logged step / evaluation
     loss_curve.png       train and validation loss against tokens (written at the end)
-    checkpoints/step_N/  config.json, model.safetensors, tokenizer.json, trainer_state.pt, manifest.json
+    checkpoints/step_N/  a model directory plus optimizer/sampler/RNG state (see minigpt.train_state)
     latest               the name of the newest complete checkpoint (replaced atomically)
+
+Under ``torchrun`` the same loop runs on every rank with DDP or FSDP2 (minigpt.distributed); only rank 0 prints,
+logs and writes the run files.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-import os
 import random
-import shutil
 import signal
 import sys
 import time
@@ -28,9 +29,11 @@ import numpy as np
 import torch
 
 from . import data as data_mod
-from .checkpoint import atomic_dir, load_state_into, read_weights, verify_manifest, write_model_files
-from .config import ModelConfig, preset
+from . import distributed as dist_mod
+from . import train_state
+from .config import preset
 from .errors import MiniGPTError
+from .train_state import rng_state, set_rng_state
 from .perf import flops_per_token, measure_peak_flops, memory_stats
 from .schedule import decay_progress, warmup_cosine_lr
 from .tokenizer import Tokenizer
@@ -73,10 +76,14 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model; the compile time is part of the first step's time
     resume: bool = False
     max_bad_steps: int = 5  # abort after this many consecutive non-finite steps (each one is skipped)
+    parallel: str = "none"  # none | ddp | fsdp (under torchrun; ddp is used if a multi-rank run says none)
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if self.max_steps is None and self.max_time is None:
             raise ValueError("set --max-steps and/or --max-time: the schedule needs a budget")
+        if self.parallel not in ("none", "ddp", "fsdp"):
+            raise ValueError(f"parallel must be none, ddp or fsdp, got {self.parallel!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("batch_size", "grad_accum", "eval_interval", "eval_windows", "log_interval", "ckpt_interval",
@@ -141,76 +148,30 @@ def ensure_data(cfg: TrainConfig) -> Path:
 
 
 @torch.no_grad()
-def evaluate(model: Transformer, x: torch.Tensor, y: torch.Tensor, batch_size: int, ctx) -> float:
-    """Mean next-token loss (nats/token) over fixed windows ``x``/``y`` ``[n_windows, seq_len]``."""
+def evaluate(model: Transformer, x: torch.Tensor, y: torch.Tensor, batch_size: int, ctx,
+             info: dist_mod.DistInfo = dist_mod.DistInfo()) -> float:
+    """Mean next-token loss (nats/token) over fixed windows ``x``/``y`` ``[n_windows, seq_len]``.
+
+    With several ranks each evaluates every ``world_size``-th window and the sums are all-reduced; the window
+    count is cut to a multiple of the world size so every rank runs the same number of forwards (FSDP needs it).
+    """
     was_training = model.training
     model.eval()
+    n = x.shape[0] - x.shape[0] % info.world_size
+    x, y = x[info.rank:n:info.world_size], y[info.rank:n:info.world_size]
     total, count = 0.0, 0
-    device = model.tok_embeddings.weight.device
+    device = info.device
     for i in range(0, x.shape[0], batch_size):
         xb, yb = x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)
         with ctx:
-            total += model.loss(xb, yb).item() * yb.numel()
+            total += lm_loss(model(xb), yb).item() * yb.numel()
         count += yb.numel()
     model.train(was_training)
+    total, count = dist_mod.all_reduce_sum([total, float(count)], info)
     return total / count
 
 
-# --------------------------------------------------------------------------------------------- checkpoints
-
-def rng_state() -> dict[str, Any]:
-    """Python, NumPy and torch RNG states as plain containers of tensors/ints (loadable with weights_only)."""
-    np_state = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": {"key": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
-                  "has_gauss": int(np_state[3]), "cached": float(np_state[4])},
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_checkpoint(out_dir: Path, model: Transformer, tokenizer: Tokenizer, state: dict[str, Any],
-                    keep: int) -> Path:
-    """Write ``checkpoints/step_N`` atomically, then point ``latest`` at it, then prune to ``keep`` newest."""
-    ckpt_root = out_dir / "checkpoints"
-    final = ckpt_root / f"step_{state['step']:07d}"
-    with atomic_dir(final) as tmp:
-        write_model_files(model, tmp, tokenizer)
-        torch.save(state, tmp / "trainer_state.pt")
-    latest_tmp = out_dir / ".latest.tmp"
-    latest_tmp.write_text(str(final.relative_to(out_dir)) + "\n")
-    os.replace(latest_tmp, out_dir / "latest")
-    done = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
-    for old in done[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def find_resume_checkpoint(out_dir: Path) -> Optional[Path]:
-    """Newest checkpoint that passes its manifest check; a corrupt one is reported and skipped."""
-    candidates = sorted((p for p in (out_dir / "checkpoints").glob("step_*") if p.is_dir()), reverse=True)
-    for ckpt in candidates:
-        try:
-            verify_manifest(ckpt)
-            if not (ckpt / "trainer_state.pt").is_file():
-                raise MiniGPTError(f"checkpoint {ckpt} has no trainer_state.pt")
-            return ckpt
-        except MiniGPTError as e:
-            print(f"warning: skipping checkpoint: {e}", file=sys.stderr)
-    return None
-
+# --------------------------------------------------------------------------------------------- run files
 
 def plot_losses(metrics_path: Path, png_path: Path) -> None:
     """Train and validation loss (nats/token) against tokens seen, as a PNG."""
@@ -263,20 +224,30 @@ class _StopFlag:
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train a model as ``cfg`` says; returns the final metrics (``val_loss``, ``val_ppl``, ``val_bpb``...)."""
     out_dir = Path(cfg.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    device = pick_device(cfg.device)
-    dtype = DTYPES[cfg.dtype]
+    info = dist_mod.setup(pick_device(cfg.device), cfg.threads)
+    try:
+        return _train(cfg, out_dir, info)
+    finally:
+        dist_mod.teardown(info)
 
-    # ---- data and tokenizer
-    data_dir = ensure_data(cfg)
+
+def _train(cfg: TrainConfig, out_dir: Path, info: dist_mod.DistInfo) -> dict[str, Any]:
+    device, dtype, main = info.device, DTYPES[cfg.dtype], info.is_main
+    say = print if main else (lambda *a, **k: None)
+    parallel = cfg.parallel if cfg.parallel != "none" or not info.enabled else "ddp"
+
+    # ---- data and tokenizer (rank 0 prepares; the others wait and read)
+    if main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        data_dir = ensure_data(cfg)
+    dist_mod.barrier(info)
+    data_dir = ensure_data(cfg) if not main else data_dir
     meta = data_mod.load_meta(data_dir)
     tokenizer = Tokenizer.from_dir(data_dir)
     train_tokens = data_mod.load_split(data_dir, "train")
     val_tokens = data_mod.load_split(data_dir, "val")
 
-    # ---- model
+    # ---- model and optimizer
     try:
         model_cfg = preset(cfg.preset, **{"vocab_size": tokenizer.vocab_size, **cfg.model})
     except ValueError as e:
@@ -284,109 +255,135 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     seq_len = cfg.seq_len or model_cfg.max_seq_len
     if seq_len > model_cfg.max_seq_len:
         raise MiniGPTError(f"seq_len {seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
-    resume_from = find_resume_checkpoint(out_dir) if cfg.resume else None
-    if cfg.resume and resume_from is None:
-        print(f"no checkpoint in {out_dir}/checkpoints to resume from; starting fresh", flush=True)
-
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    model = Transformer(model_cfg).to(device)
+    model = Transformer(model_cfg).to(device)  # identical initial weights on every rank
+    if info.rank:
+        torch.manual_seed(cfg.seed + info.rank)  # but independent dropout masks
+    n_params = model.num_parameters()
+    if main:
+        train_state.check_writable(out_dir, n_params)
+    model = dist_mod.wrap_model(model, parallel, info, param_dtype=dtype if dtype != torch.float32 else None,
+                                activation_checkpointing=cfg.activation_checkpointing)
+    wrapped = model  # what the training forward goes through
+    if parallel == "ddp" and info.enabled:
+        model = wrapped.module
     optimizer = torch.optim.AdamW(
         param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
         fused=device.type == "cuda",
     )
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    sampler = data_mod.BatchSampler(train_tokens, cfg.batch_size, seq_len, seed=cfg.seed)
+    sampler = data_mod.BatchSampler(train_tokens, cfg.batch_size, seq_len, seed=cfg.seed, rank=info.rank,
+                                    world_size=info.world_size)
     eval_x, eval_y = data_mod.eval_windows(val_tokens, seq_len, cfg.eval_windows)
     ctx = autocast_context(device, dtype)
+    sharded = parallel == "fsdp" and info.enabled
 
+    # ---- resume
     step, tokens_seen, train_time, warmup_end_time, bad_steps = 0, 0, 0.0, None, 0
     metrics_path = out_dir / "metrics.jsonl"
+    resume_from = None
+    if cfg.resume:
+        found = train_state.find_latest(out_dir) if main else None
+        resume_from = dist_mod.broadcast_object(str(found) if found else None, info)
+        if resume_from is None:
+            say(f"no checkpoint in {out_dir}/checkpoints to resume from; starting fresh", flush=True)
     if resume_from is not None:
-        state = torch.load(resume_from / "trainer_state.pt", map_location=device, weights_only=True)
-        load_state_into(model, read_weights(resume_from), str(resume_from))
-        optimizer.load_state_dict(state["optimizer"])
-        sampler.load_state_dict(state["sampler"])
-        set_rng_state(state["rng"])
+        state = train_state.load(Path(resume_from), model, optimizer)
+        ranks = state["ranks"]
+        sampler.load_state_dict(ranks[0]["sampler"])  # the data stream is the same on every rank
+        if state["world_size"] == info.world_size:
+            set_rng_state(ranks[info.rank]["rng"])
+        else:
+            say(f"note: checkpoint written by {state['world_size']} rank(s), resuming on {info.world_size}: "
+                "weights, optimizer and data order continue; dropout RNG streams restart", flush=True)
         step, tokens_seen, train_time = state["step"], state["tokens"], state["train_time"]
         warmup_end_time = state.get("warmup_end_time")
-        if metrics_path.is_file():  # drop rows logged after the checkpoint so no step appears twice
+        if main and metrics_path.is_file():  # drop rows logged after the checkpoint so no step appears twice
             rows = [r for r in metrics_path.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= step]
             metrics_path.write_text("".join(r + "\n" for r in rows))
-        print(f"resumed from {resume_from} at step {step}", flush=True)
-    elif metrics_path.exists():
+        say(f"resumed from {resume_from} at step {step}", flush=True)
+    elif main and metrics_path.exists():
         metrics_path.unlink()
 
     # Only the training forward is compiled: evaluation (other mode, ragged last batch) stays eager instead of
     # paying for recompilations.
-    train_forward = torch.compile(model) if cfg.compile else model
-    n_params = model.num_parameters()
+    train_forward = torch.compile(wrapped) if cfg.compile else wrapped
     fpt = flops_per_token(model_cfg, n_params, seq_len)
     peak = measure_peak_flops(device.type, dtype)
-    tokens_per_step = cfg.batch_size * cfg.grad_accum * seq_len
-    resolved = {**dataclasses.asdict(cfg), "model": model_cfg.to_dict(), "seq_len": seq_len, "data_dir": str(data_dir)}
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * seq_len * info.world_size
+    resolved = {**dataclasses.asdict(cfg), "model": model_cfg.to_dict(), "seq_len": seq_len, "data_dir": str(data_dir),
+                "parallel": parallel, "world_size": info.world_size}
     import yaml
 
-    (out_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
-    print(yaml.safe_dump(resolved, sort_keys=False), end="", flush=True)
-    print(f"parameters: {n_params:,} | tokens/step: {tokens_per_step:,} | device: {device} {cfg.dtype} "
-          f"| threads: {torch.get_num_threads()} | measured peak {peak / 1e9:.0f} GFLOP/s", flush=True)
+    if main:
+        (out_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    say(yaml.safe_dump(resolved, sort_keys=False), end="", flush=True)
+    say(f"parameters: {n_params:,} | global batch: {cfg.batch_size} x {cfg.grad_accum} accum x {info.world_size} "
+        f"rank(s) x {seq_len} = {tokens_per_step:,} tokens/step | device: {device} {cfg.dtype} "
+        f"| threads/rank: {torch.get_num_threads()} | measured peak {peak / 1e9:.0f} GFLOP/s", flush=True)
 
     min_lr = cfg.lr * cfg.min_lr_ratio
     val_stats = {"tokens": meta["val"]["tokens"], "bytes": meta["val"]["bytes"]}
 
     def run_eval() -> dict[str, float]:
-        val_loss = evaluate(model, eval_x, eval_y, cfg.batch_size, ctx)
+        val_loss = evaluate(model, eval_x, eval_y, cfg.batch_size, ctx, info)
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)),
                 "val_bpb": data_mod.bits_per_byte(val_loss, val_stats["tokens"], val_stats["bytes"])}
 
     def log(row: dict[str, Any]) -> None:
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        if main:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
 
     def checkpoint() -> Path:
-        state = {"step": step, "tokens": tokens_seen, "train_time": train_time, "warmup_end_time": warmup_end_time,
-                 "optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(), "rng": rng_state()}
-        return save_checkpoint(out_dir, model, tokenizer, state, cfg.keep_checkpoints)
+        state = {"step": step, "tokens": tokens_seen, "train_time": train_time, "warmup_end_time": warmup_end_time}
+        return train_state.save(out_dir, model, optimizer, tokenizer, state,
+                                {"sampler": sampler.state_dict(), "rng": rng_state()}, info,
+                                cfg.keep_checkpoints, sharded)
 
-    interactive = sys.stderr.isatty()
     bar = None
-    if interactive:
+    if main and sys.stderr.isatty():
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.max_steps, initial=step, unit="step", dynamic_ncols=True)
 
     model.train()
-    last = {}
+    last: dict[str, Any] = {}
     window_tokens, window_time = 0, 0.0
     with _StopFlag() as stop:
         while True:
+            # Every rank must take the same decision (a rank that stops alone hangs the others' collectives),
+            # so signals and the clock are agreed on with one small all-reduce per step.
+            signalled, clock = float(stop.signal is not None), train_time
+            if info.enabled:
+                signalled, clock = dist_mod.all_reduce_max([signalled, train_time], info)
             if cfg.max_steps is not None and step >= cfg.max_steps:
                 break
-            if cfg.max_time is not None and train_time >= cfg.max_time:
+            if cfg.max_time is not None and clock >= cfg.max_time:
                 break
-            if stop.signal is not None:
-                print(f"\nsignal {stop.signal} received at step {step}: saving a checkpoint", flush=True)
+            if signalled:
+                say(f"\nsignal received at step {step}: saving a checkpoint", flush=True)
                 break
 
             t0 = time.perf_counter()
-            progress = decay_progress(step, cfg.warmup_steps, cfg.max_steps, train_time, warmup_end_time,
-                                      cfg.max_time)
-            lr = warmup_cosine_lr(step, lr=cfg.lr, min_lr=min_lr, warmup_steps=cfg.warmup_steps,
-                                  progress=progress)
+            progress = decay_progress(step, cfg.warmup_steps, cfg.max_steps, clock, warmup_end_time, cfg.max_time)
+            lr = warmup_cosine_lr(step, lr=cfg.lr, min_lr=min_lr, warmup_steps=cfg.warmup_steps, progress=progress)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss_sum = torch.zeros((), device=device)
-            for _ in range(cfg.grad_accum):
+            for micro in range(cfg.grad_accum):
                 x, y = sampler.next()
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                with ctx:
+                with dist_mod.gradient_sync(wrapped, sync=micro == cfg.grad_accum - 1), ctx:
                     loss = lm_loss(train_forward(x), y) / cfg.grad_accum
-                scaler.scale(loss).backward()
+                    scaler.scale(loss).backward()
                 loss_sum += loss.detach()  # stays on the device: no host sync per micro-step
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2 returns a DTensor
+                grad_norm = grad_norm.full_tensor()
             # One host sync per optimizer step: a NaN/inf update would poison the weights for good.
             finite = scaler.is_enabled() or bool(torch.isfinite(grad_norm) and torch.isfinite(loss_sum))
             if finite:
@@ -396,8 +393,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 bad_steps += 1
                 log({"step": step + 1, "tokens": tokens_seen + tokens_per_step, "skipped": "non-finite",
                      "loss": loss_sum.item(), "grad_norm": grad_norm.item()})
-                print(f"step {step + 1}: non-finite loss or gradient, update skipped "
-                      f"({bad_steps}/{cfg.max_bad_steps} in a row)", file=sys.stderr, flush=True)
+                if main:
+                    print(f"step {step + 1}: non-finite loss or gradient, update skipped "
+                          f"({bad_steps}/{cfg.max_bad_steps} in a row)", file=sys.stderr, flush=True)
                 if bad_steps >= cfg.max_bad_steps:
                     optimizer.zero_grad(set_to_none=True)
                     raise MiniGPTError(
@@ -421,8 +419,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 cfg.max_time is not None and train_time >= cfg.max_time)
             if step % cfg.log_interval == 0 or is_last or step == 1:
                 tps = window_tokens / max(window_time, 1e-9)
-                row = {"step": step, "tokens": tokens_seen, "loss": loss_sum.item(), "lr": lr,
-                       "grad_norm": grad_norm.item(), "tokens_per_s": tps, "mfu": tps * fpt / peak,
+                # The logged loss is the global batch's mean: every rank reaches this line at the same steps.
+                loss_val = dist_mod.all_reduce_sum([loss_sum.item()], info)[0] / info.world_size
+                row = {"step": step, "tokens": tokens_seen, "loss": loss_val, "lr": lr,
+                       "grad_norm": grad_norm.item(), "tokens_per_s": tps,
+                       "mfu": tps * fpt / (peak * info.world_size),
                        "memory": memory_stats(device), "train_time": train_time}
                 window_tokens, window_time = 0, 0.0
                 if step % cfg.eval_interval == 0 or is_last:
@@ -431,14 +432,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 row["bpb"] = row.get("val_bpb")
                 log(row)
                 last = row
-                eta = _eta(cfg, step, train_time)
-                msg = f"loss {row['loss']:.3f} | {tps:,.0f} tok/s | lr {lr:.2e} | eta {eta}"
+                msg = f"loss {row['loss']:.3f} | {tps:,.0f} tok/s | lr {lr:.2e} | eta {_eta(cfg, step, train_time)}"
                 if "val_loss" in row:
                     msg += f" | val_loss {row['val_loss']:.3f} val_bpb {row['val_bpb']:.3f}"
                 if bar is not None:
                     bar.set_postfix_str(msg, refresh=False)
                 else:
-                    print(f"step {step}: {msg}", flush=True)
+                    say(f"step {step}: {msg}", flush=True)
             if bar is not None:
                 bar.update(1)
             if step % cfg.ckpt_interval == 0 and not is_last:
@@ -450,14 +450,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             last = {**last, "step": step, **run_eval()}
         final_ckpt = checkpoint()
 
-    plot_losses(metrics_path, out_dir / "loss_curve.png") if metrics_path.is_file() else None
+    if main and metrics_path.is_file():
+        plot_losses(metrics_path, out_dir / "loss_curve.png")
     result = {"step": step, "tokens": tokens_seen, "train_time": train_time, "checkpoint": str(final_ckpt),
               "val_loss": last["val_loss"], "val_ppl": last["val_ppl"], "val_bpb": last["val_bpb"],
               "tokens_per_s": tokens_seen / max(train_time, 1e-9) if step else 0.0,
               "interrupted": stop.signal is not None}
-    print(f"final: step {step} | val_loss {result['val_loss']:.4f} | val_ppl {result['val_ppl']:.2f} | "
-          f"val_bpb {result['val_bpb']:.4f} | {result['tokens_per_s']:,.0f} tok/s over {train_time:.0f}s "
-          f"| checkpoint {final_ckpt}", flush=True)
+    say(f"final: step {step} | val_loss {result['val_loss']:.4f} | val_ppl {result['val_ppl']:.2f} | "
+        f"val_bpb {result['val_bpb']:.4f} | {result['tokens_per_s']:,.0f} tok/s over {train_time:.0f}s "
+        f"| checkpoint {final_ckpt}", flush=True)
     return result
 
 

@@ -17,7 +17,10 @@ from minigpt.checkpoint import load_model, resolve_checkpoint, verify_manifest
 from minigpt.config import ModelConfig
 from minigpt.errors import MiniGPTError
 from minigpt.schedule import decay_progress, warmup_cosine_lr
-from minigpt.train import TrainConfig, find_resume_checkpoint, param_groups, save_checkpoint, train
+from minigpt import train_state
+from minigpt.distributed import DistInfo
+from minigpt.train import TrainConfig, param_groups, train
+from minigpt.train_state import find_latest as find_resume_checkpoint
 from minigpt.transformer import Transformer
 
 
@@ -99,22 +102,29 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_data, tmp_path):
     assert [r["loss"] for r in rows_b] == [r["loss"] for r in rows_a]  # same next-step losses
 
 
+def _save(out_dir, model, tok, step):
+    opt = torch.optim.AdamW(model.parameters())
+    return train_state.save(out_dir, model, opt, tok, {"step": step}, {"rng": train_state.rng_state()},
+                            DistInfo(), keep=3, sharded=False)
+
+
 def test_interrupted_checkpoint_write_keeps_the_last_good_one(tmp_path, monkeypatch):
     model = Transformer(ModelConfig(vocab_size=50, **TINY_MODEL))
     from minigpt.tokenizer import train_tokenizer
 
     tok = train_tokenizer(["hello world"] * 10, 260)
-    good = save_checkpoint(tmp_path, model, tok, {"step": 1}, keep=3)
+    good = _save(tmp_path, model, tok, 1)
 
     def crash(*args, **kwargs):
-        raise OSError("disk full (simulated)")
+        raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", crash)
-    with pytest.raises(OSError, match="simulated"):
-        save_checkpoint(tmp_path, model, tok, {"step": 2}, keep=3)
+    with pytest.raises(MiniGPTError, match="previous checkpoint .checkpoints/step_0000001. is intact"):
+        _save(tmp_path, model, tok, 2)
     assert (tmp_path / "latest").read_text().strip() == "checkpoints/step_0000001"
     verify_manifest(good)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000001"]  # no half-written dir
+    assert not [p for p in tmp_path.rglob(".step_*")]
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, capsys):
@@ -122,8 +132,8 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, capsys):
     from minigpt.tokenizer import train_tokenizer
 
     tok = train_tokenizer(["hello world"] * 10, 260)
-    save_checkpoint(tmp_path, model, tok, {"step": 1}, keep=3)
-    newest = save_checkpoint(tmp_path, model, tok, {"step": 2}, keep=3)
+    _save(tmp_path, model, tok, 1)
+    newest = _save(tmp_path, model, tok, 2)
     with open(newest / "model.safetensors", "r+b") as f:
         f.truncate(100)
     assert find_resume_checkpoint(tmp_path).name == "step_0000001"
