@@ -264,6 +264,7 @@ def _train(cfg: TrainConfig, out_dir: Path, info: dist_mod.DistInfo) -> dict[str
     n_params = model.num_parameters()
     if main:
         train_state.check_writable(out_dir, n_params)
+        train_state.remove_stale_temporaries(out_dir)
     model = dist_mod.wrap_model(model, parallel, info, param_dtype=dtype if dtype != torch.float32 else None,
                                 activation_checkpointing=cfg.activation_checkpointing)
     wrapped = model  # what the training forward goes through

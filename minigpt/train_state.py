@@ -138,6 +138,13 @@ def _config_json(model) -> str:
     return json.dumps({"format": FORMAT, **model.config.to_dict()}, indent=2) + "\n"
 
 
+def remove_stale_temporaries(out_dir: Path) -> None:
+    """Delete half-written checkpoint directories left by a process that was killed mid-write (they are never
+    read: :func:`find_latest` only considers complete ``step_*`` directories)."""
+    for tmp in (out_dir / "checkpoints").glob(".step_*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def find_latest(out_dir: Path) -> Optional[Path]:
     """Newest checkpoint that passes its manifest check; each corrupt or incomplete one is reported in one line
     and skipped, so a crash during a write falls back to the previous good checkpoint."""

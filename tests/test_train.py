@@ -196,3 +196,65 @@ def test_consecutive_non_finite_steps_abort_and_keep_the_last_good_checkpoint(ti
     good = find_resume_checkpoint(tmp_path / "run")
     assert good.name == "step_0000008"
     assert all(torch.isfinite(p).all() for p in load_model(good).parameters())
+
+
+def _train_cmd(tiny_data, out_dir, *extra):
+    return [sys.executable, "-m", "minigpt", "train", "--data", str(tiny_data), "--out-dir", str(out_dir),
+            "--max-steps", "30", "--threads", "1", "--seed", "3", "--set", f"model={json.dumps({**TINY_MODEL, 'dropout': 0.1})}",
+            "--set", "seq_len=32", "--set", "batch_size=4", "--set", "log_interval=1", "--set", "ckpt_interval=4",
+            "--set", "eval_windows=4", "--set", "eval_interval=10", *extra]
+
+
+def test_sigkill_then_resume_is_bit_exact(tiny_data, tmp_path):
+    """A real training process killed with SIGKILL at a random step resumes to the same final weights, and the
+    metrics log has every step exactly once."""
+    import random
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    full = tmp_path / "full"
+    subprocess.run(_train_cmd(tiny_data, full), check=True, capture_output=True, env=env, timeout=300)
+
+    killed = tmp_path / "killed"
+    kill_at = random.Random(7).randint(9, 26)  # after at least two checkpoints, before the end
+    proc = subprocess.Popen(_train_cmd(tiny_data, killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=env)
+    metrics = killed / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= kill_at:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    steps_before = [json.loads(l)["step"] for l in metrics.read_text().splitlines()]
+    assert 0 < len(steps_before) < 30
+
+    subprocess.run(_train_cmd(tiny_data, killed, "--resume"), check=True, capture_output=True, env=env, timeout=300)
+    a = load_model(full / "checkpoints" / "step_0000030").state_dict()
+    b = load_model(killed / "checkpoints" / "step_0000030").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows_a = [json.loads(l) for l in (full / "metrics.jsonl").read_text().splitlines()]
+    rows_b = [json.loads(l) for l in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows_b] == list(range(1, 31))
+    assert [r["loss"] for r in rows_b] == [r["loss"] for r in rows_a]
+    assert not list((killed / "checkpoints").glob(".step_*"))  # no half-written leftovers
+
+
+def test_unwritable_run_directory_is_a_clear_error_before_training(tiny_data, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    proc = subprocess.run(_train_cmd(tiny_data, blocker / "run"), capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("error:") and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_not_enough_disk_space_is_a_clear_error_before_training(tiny_data, tmp_path, monkeypatch):
+    import collections
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(train_state.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(MiniGPTError, match="not enough free disk space"):
+        train(_cfg(tiny_data, tmp_path / "run"))
+    assert not (tmp_path / "run" / "checkpoints").exists()
