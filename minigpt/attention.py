@@ -3,9 +3,16 @@
 ``n_kv_heads`` key/value heads are shared by groups of ``n_heads / n_kv_heads`` query heads: ``n_kv_heads ==
 n_heads`` is plain multi-head attention (Vaswani et al. 2017) and ``n_kv_heads == 1`` is multi-query attention
 (Shazeer 2019). Fewer KV heads shrink the KV cache by ``n_heads / n_kv_heads``.
+
+``ModelConfig.attention_impl`` picks how ``softmax(QK^T / sqrt(head_dim) + bias) V`` is computed; all three give
+the same numbers (to float rounding): ``sdpa`` (PyTorch's fused kernel, the default), ``naive`` (the textbook
+formula, materialising the ``[q_len, kv_len]`` scores) and ``flash_reference`` (the tiled online softmax of
+:mod:`minigpt.flash_reference`). With ``pos_encoding="alibi"`` the ALiBi bias (:mod:`minigpt.positions`) is added
+to the scores and no rotation is applied.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -13,7 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .flash_reference import flash_attention
 from .kv_cache import KVCache
+from .positions import Alibi
 from .rope import apply_rope
 
 
@@ -44,8 +53,40 @@ def padded_causal_mask(attention_mask: torch.Tensor, q_len: int) -> torch.Tensor
     return allowed | itself
 
 
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """``[batch, n_kv_heads, seq_len, head_dim]`` -> ``[batch, n_kv_heads * n_rep, seq_len, head_dim]``: each KV
+    head repeated for the ``n_rep`` query heads of its group (head ``h`` reads KV head ``h // n_rep``)."""
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+def naive_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """The textbook attention of Vaswani et al. 2017 (eq. 1): ``softmax(q k^T / sqrt(d) + bias) v``.
+
+    ``q`` ``[batch, heads, q_len, head_dim]``; ``k``/``v`` ``[batch, heads, kv_len, head_dim]`` (KV heads already
+    repeated); ``allowed`` boolean, broadcastable to ``[batch, heads, q_len, kv_len]`` (True = may attend; None =
+    everything); ``bias`` float, same broadcast shape. The softmax runs in float32. Memory: the whole
+    ``[batch, heads, q_len, kv_len]`` score matrix, which is what flash attention avoids.
+    """
+    scores = (q @ k.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])
+    if bias is not None:
+        scores = scores + bias
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
+    return probs @ v
+
+
 class Attention(nn.Module):
-    """Causal self-attention with RoPE and GQA.
+    """Causal self-attention with RoPE (or ALiBi, or no position signal) and GQA.
 
     Input ``x`` ``[batch, seq_len, dim]``; output ``[batch, seq_len, dim]``.
     """
@@ -57,6 +98,8 @@ class Attention(nn.Module):
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_dim
         self.attention_dropout = config.attention_dropout
+        self.impl = config.attention_impl
+        self.block_size = config.attention_block_size
         bias = config.has_attention_bias
         self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=bias)
         self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=bias)
@@ -72,24 +115,32 @@ class Attention(nn.Module):
         start_pos: int = 0,
         kv_cache: Optional[KVCache] = None,
         mask: Optional[torch.Tensor] = None,
+        alibi: Optional[Alibi] = None,
     ) -> torch.Tensor:
         """``cos``/``sin``: RoPE table rows for positions ``start_pos .. start_pos + seq_len``, ``[seq_len, head_dim]``,
-        or per-row positions ``[batch, 1, seq_len, head_dim]``.
+        or per-row positions ``[batch, 1, seq_len, head_dim]``; both None for models without RoPE.
 
         With ``kv_cache``, this call's keys/values are written at ``start_pos`` and the queries attend to the whole
         cached prefix; without it, ``start_pos`` must be 0. ``mask`` (boolean ``[batch, 1, seq_len, kv_len]``, True =
-        may attend, from :func:`padded_causal_mask`) replaces the plain causal mask.
+        may attend, from :func:`padded_causal_mask`) replaces the plain causal mask. ``alibi`` (ALiBi models) holds
+        the slopes and the absolute position of every key.
         """
         batch, seq_len, _ = x.shape
         q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        if cos is not None:
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_id, start_pos, k, v)
         elif start_pos != 0:
             raise ValueError("start_pos > 0 needs a kv_cache holding the earlier positions")
+
+        if self.impl != "sdpa" or alibi is not None:
+            out = self._attend_variant(q, k, v, mask, alibi)
+            out = out.transpose(1, 2).reshape(batch, seq_len, self.n_heads * self.head_dim)
+            return self.resid_dropout(self.wo(out))
 
         kv_len = k.shape[2]
         is_causal = False
@@ -107,3 +158,21 @@ class Attention(nn.Module):
         )
         out = out.transpose(1, 2).reshape(batch, seq_len, self.n_heads * self.head_dim)
         return self.resid_dropout(self.wo(out))
+
+    def _attend_variant(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                        alibi: Optional[Alibi]) -> torch.Tensor:
+        """Attention output ``[batch, n_heads, q_len, head_dim]`` through the non-default paths: ``naive``,
+        ``flash_reference``, or SDPA with an ALiBi bias (an additive float mask)."""
+        q_len, kv_len = q.shape[2], k.shape[2]
+        dropout_p = self.attention_dropout if self.training else 0.0
+        if self.impl == "flash_reference":
+            k, v = repeat_kv(k, self.n_heads // self.n_kv_heads), repeat_kv(v, self.n_heads // self.n_kv_heads)
+            return flash_attention(q, k, v, self.block_size, mask, alibi)
+        allowed = mask if mask is not None else causal_mask(q_len, kv_len, q.device)
+        bias = alibi.bias(q_len) if alibi is not None else None
+        if self.impl == "naive":
+            k, v = repeat_kv(k, self.n_heads // self.n_kv_heads), repeat_kv(v, self.n_heads // self.n_kv_heads)
+            return naive_attention(q, k, v, allowed, bias, dropout_p)
+        float_mask = bias.to(q.dtype).masked_fill(~allowed, float("-inf"))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=float_mask, dropout_p=dropout_p,
+                                              enable_gqa=self.n_kv_heads != self.n_heads)

@@ -163,7 +163,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     """Export a model to the Hugging Face or llama.cpp ecosystem.
 
-    --format hf writes a LlamaForCausalLM directory (config.json, safetensors, sharded above --max-shard-size,
+    --format hf writes a LlamaForCausalLM directory (MixtralForCausalLM for a mixture of experts with experts on
+    every layer and no shared expert; config.json, safetensors, sharded above --max-shard-size,
     generation_config.json, tokenizer files) that transformers loads offline. --format gguf writes a llama GGUF
     (OUT ending in .gguf is the file, else OUT/model.gguf) in float32, float16, bfloat16 or q8_0.
     """

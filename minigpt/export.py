@@ -1,4 +1,5 @@
-"""``minigpt export``: any model source -> a Hugging Face ``LlamaForCausalLM`` directory or a llama GGUF file.
+"""``minigpt export``: any model source -> a Hugging Face ``LlamaForCausalLM`` directory (``MixtralForCausalLM``
+for a mixture of experts in Mixtral's layout) or a llama GGUF file.
 
 Hugging Face directory (what ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` read,
 offline): ``config.json`` (:func:`minigpt.hf.config_to_hf` plus special-token ids and dtype), ``model.safetensors``
@@ -80,16 +81,17 @@ def _special_ids(tokenizer) -> dict[str, Optional[int]]:
 
 def export_hf(source: str | Path, out: str | Path, dtype: str = "float32", max_shard_size: str | int = "5GB") -> Path:
     """Write ``source`` (any model source :func:`minigpt.checkpoint.load_model` reads) as a ``LlamaForCausalLM``
-    directory ``out`` in ``dtype`` (float32 / bfloat16 / float16). Returns ``out``.
+    (or ``MixtralForCausalLM``) directory ``out`` in ``dtype`` (float32 / bfloat16 / float16). Returns ``out``.
 
     Without a tokenizer at ``source`` only the model files are written. Raises :class:`MiniGPTError` for an
-    unknown dtype or an unreadable source.
+    unknown dtype, an unreadable source, or a config field the architecture cannot represent.
     """
     if dtype not in HF_DTYPES:
         raise MiniGPTError(f"--dtype {dtype!r} is not available for Hugging Face export; choose one of "
                            f"{sorted(HF_DTYPES)}")
     max_bytes = parse_size(max_shard_size)
     model = load_model(source)
+    hf.config_to_hf(model.config)  # refuses, by field name, what the architecture cannot hold
     try:
         tokenizer = load_tokenizer(source)
     except MiniGPTError:

@@ -6,8 +6,12 @@ rename: no tensor is permuted.
 
 Architectures read: ``LlamaForCausalLM``; ``MistralForCausalLM`` (a Llama whose only difference is sliding-window
 attention, so it is accepted only when the window covers the whole context); ``Qwen2ForCausalLM`` (a Llama with
-biases on q/k/v, loaded with ``attention_bias`` and a zero o bias; sliding window likewise refused). Architecture
-written: ``LlamaForCausalLM``.
+biases on q/k/v, loaded with ``attention_bias`` and a zero o bias; sliding window likewise refused);
+``MixtralForCausalLM`` (a Mistral whose every FFN is a top-k mixture of SwiGLU experts, :mod:`minigpt.moe`).
+Architectures written: ``LlamaForCausalLM``, and ``MixtralForCausalLM`` for models with experts on every layer and
+no shared expert. Mixtral tensors use the names of Mixtral's original checkpoints (``block_sparse_moe.gate``,
+``block_sparse_moe.experts.{e}.w1/w2/w3``), which ``transformers`` 5 converts on load and writes back on save;
+the fused in-memory layout of ``transformers`` 5 (``mlp.experts.gate_up_proj`` / ``down_proj``) is read too.
 """
 from __future__ import annotations
 
@@ -22,8 +26,9 @@ import torch
 from .config import ModelConfig
 from .errors import MiniGPTError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM")
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "mixtral": "MixtralForCausalLM"}
 
 # ours (per layer, after "layers.{i}.") -> Hugging Face (after "model.layers.{i}.")
 _LAYER_KEYS = {
@@ -52,6 +57,10 @@ _GLOBAL_KEYS = {
 _HF_LAYER = {v: k for k, v in _LAYER_KEYS.items()}
 _HF_GLOBAL = {v: k for k, v in _GLOBAL_KEYS.items()}
 _LAYER_RE = re.compile(r"^(model\.)?layers\.(\d+)\.(.+)$")
+# Mixture-of-experts tensors inside a layer: ours <-> Mixtral's original checkpoint names.
+_EXPERT_RE = re.compile(r"^feed_forward\.experts\.(\d+)\.(w[123])\.weight$")
+_HF_EXPERT_RE = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+_ROUTER, _HF_ROUTER = "feed_forward.router.weight", "block_sparse_moe.gate.weight"
 
 # rope_scaling keys whose Hugging Face name differs from ours
 _ROPE_KEY_TO_HF = {"original_max_seq_len": "original_max_position_embeddings"}
@@ -65,6 +74,11 @@ def to_hf_key(key: str) -> str:
     m = re.match(r"^layers\.(\d+)\.(.+)$", key)
     if m and m.group(2) in _LAYER_KEYS:
         return f"model.layers.{m.group(1)}.{_LAYER_KEYS[m.group(2)]}"
+    if m and m.group(2) == _ROUTER:
+        return f"model.layers.{m.group(1)}.{_HF_ROUTER}"
+    e = _EXPERT_RE.match(m.group(2)) if m else None
+    if e:
+        return f"model.layers.{m.group(1)}.block_sparse_moe.experts.{e.group(1)}.{e.group(2)}.weight"
     raise KeyError(f"no Hugging Face name for tensor {key!r}")
 
 
@@ -75,7 +89,32 @@ def from_hf_key(key: str) -> str:
     m = _LAYER_RE.match(key)
     if m and m.group(3) in _HF_LAYER:
         return f"layers.{m.group(2)}.{_HF_LAYER[m.group(3)]}"
+    if m and m.group(3) in (_HF_ROUTER, "mlp.gate.weight"):
+        return f"layers.{m.group(2)}.{_ROUTER}"
+    e = _HF_EXPERT_RE.match(m.group(3)) if m else None
+    if e:
+        return f"layers.{m.group(2)}.feed_forward.experts.{e.group(1)}.{e.group(2)}.weight"
     raise KeyError(f"unknown Hugging Face tensor {key!r}")
+
+
+def _split_fused_experts(key: str, value: torch.Tensor) -> Optional[dict[str, torch.Tensor]]:
+    """``transformers`` 5's fused expert tensors -> our per-expert ones, or None for any other tensor.
+
+    ``mlp.experts.gate_up_proj`` ``[n_experts, 2 * hidden, dim]`` holds each expert's gate (``w1``) rows then its up
+    (``w3``) rows; ``mlp.experts.down_proj`` ``[n_experts, dim, hidden]`` holds ``w2``.
+    """
+    m = _LAYER_RE.match(key)
+    if not m or m.group(3) not in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+        return None
+    prefix = f"layers.{m.group(2)}.feed_forward.experts"
+    out = {}
+    for e in range(value.shape[0]):
+        if m.group(3) == "mlp.experts.down_proj":
+            out[f"{prefix}.{e}.w2.weight"] = value[e]
+        else:
+            gate, up = value[e].chunk(2, dim=0)
+            out[f"{prefix}.{e}.w1.weight"], out[f"{prefix}.{e}.w3.weight"] = gate, up
+    return out
 
 
 def architecture(hf: dict[str, Any]) -> str:
@@ -154,6 +193,13 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if mlp_bias and not attention_bias:
         raise MiniGPTError("mlp_bias without attention_bias is not supported (MiniGPT's `bias` covers both)")
     n_heads = hf["num_attention_heads"]
+    moe: dict[str, Any] = {}
+    if arch == "MixtralForCausalLM":
+        k = hf.get("num_experts_per_tok", 2)
+        # transformers' load-balancing loss is k times ours (it counts assignments per token, we per assignment).
+        moe = dict(n_experts=hf.get("num_local_experts", 8), n_experts_per_token=k,
+                   moe_hidden_dim=hf["intermediate_size"],
+                   router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)) * k, router_z_loss_coef=0.0)
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         dim=hf["hidden_size"],
@@ -169,23 +215,40 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bias=mlp_bias,
         attention_bias=attention_bias and not mlp_bias,
+        **moe,
     )
 
 
-# ModelConfig fields a Llama checkpoint represents, or that do not change what a trained model computes (dropout).
+# ModelConfig fields a Llama checkpoint represents, or that do not change what a trained model computes (dropout,
+# which of the equivalent attention implementations runs, the router losses' weights).
 _REPRESENTED = {"vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "multiple_of",
                 "ffn_dim_multiplier", "norm_eps", "rope_theta", "rope_scaling", "max_seq_len", "tie_embeddings",
-                "dropout", "attention_dropout", "bias", "attention_bias"}
+                "dropout", "attention_dropout", "bias", "attention_bias", "attention_impl", "attention_block_size",
+                "router_aux_loss_coef", "router_z_loss_coef"}
+# Mixture-of-experts fields: unused by a dense model (n_experts = 0); written by a Mixtral export.
+_MOE_FIELDS = {"n_experts", "n_experts_per_token", "n_shared_experts", "moe_every", "moe_hidden_dim"}
 
 
 def check_representable(config: ModelConfig, target: str = "LlamaForCausalLM") -> None:
-    """Raise :class:`MiniGPTError` naming the first config field set to a feature a Llama checkpoint cannot hold.
+    """Raise :class:`MiniGPTError` naming the first config field set to a feature a ``target`` checkpoint cannot
+    hold.
 
-    Any field not in the list above must keep its default, so a feature added to :class:`ModelConfig` later is
-    refused by the exporters until they learn to write it.
+    Any field not in the lists above must keep its default, so a feature added to :class:`ModelConfig` later is
+    refused by the exporters until they learn to write it. Experts are accepted only by ``MixtralForCausalLM``, and
+    only in Mixtral's layout: an MoE on every layer (``moe_every=1``), no shared experts, no biases.
     """
+    if config.n_experts:
+        if target != "MixtralForCausalLM":
+            raise MiniGPTError(f"n_experts={config.n_experts} (a mixture of experts) cannot be represented in a "
+                               f"{target} export; the Hugging Face export writes such models as MixtralForCausalLM")
+        layout = {"n_shared_experts": (config.n_shared_experts, 0), "moe_every": (config.moe_every, 1),
+                  "bias": (config.bias, False), "attention_bias": (config.attention_bias, False)}
+        for name, (value, needed) in layout.items():
+            if value != needed:
+                raise MiniGPTError(f"{name}={value!r} cannot be represented in a {target} export (Mixtral needs "
+                                   f"{name}={needed!r})")
     for f in dataclasses.fields(config):
-        if f.name in _REPRESENTED:
+        if f.name in _REPRESENTED or f.name in _MOE_FIELDS:
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         if getattr(config, f.name) != default:
@@ -208,12 +271,15 @@ def rope_to_hf(config: ModelConfig) -> dict[str, Any]:
 
 
 def config_to_hf(config: ModelConfig, **extra: Any) -> dict[str, Any]:
-    """:class:`ModelConfig` -> a ``LlamaForCausalLM`` ``config.json`` dict (``extra`` keys are merged in).
+    """:class:`ModelConfig` -> a ``LlamaForCausalLM`` (or, with experts, ``MixtralForCausalLM``) ``config.json``
+    dict (``extra`` keys are merged in).
 
     Written with both ``rope_parameters`` (transformers >= 5) and, when scaled, the equivalent ``rope_scaling``
     (transformers 4.x, vLLM). Dynamic NTK puts the original context in ``max_position_embeddings`` (see
-    :func:`config_from_hf`).
+    :func:`config_from_hf`). Raises :class:`MiniGPTError` naming a field the architecture cannot hold.
     """
+    if config.n_experts:
+        return _mixtral_config(config, **extra)
     check_representable(config)
     rope = rope_to_hf(config)
     context = config.max_seq_len
@@ -244,6 +310,24 @@ def config_to_hf(config: ModelConfig, **extra: Any) -> dict[str, Any]:
     return d
 
 
+def _mixtral_config(config: ModelConfig, **extra: Any) -> dict[str, Any]:
+    check_representable(config, "MixtralForCausalLM")
+    d = config_to_hf(dataclasses.replace(config, n_experts=0, hidden_dim=config.moe_hidden_dim))
+    for key in ("attention_bias", "mlp_bias"):  # Mixtral has no biases (checked above)
+        d.pop(key)
+    d.update({
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_local_experts": config.n_experts,
+        "num_experts_per_tok": config.n_experts_per_token,
+        "router_aux_loss_coef": config.router_aux_loss_coef / config.n_experts_per_token,  # see config_from_hf
+        "router_jitter_noise": 0.0,
+        "sliding_window": None,
+    })
+    d.update(extra)
+    return d
+
+
 def is_hf_dir(path: str | Path) -> bool:
     """True if ``path/config.json`` describes a Hugging Face model (has ``model_type`` or ``architectures``)."""
     cfg = Path(path) / "config.json"
@@ -268,6 +352,10 @@ def state_dict_from_hf(
     for k, v in tensors.items():
         if k.endswith("rotary_emb.inv_freq"):
             continue  # derived buffer some older exports carry
+        fused = _split_fused_experts(k, v)
+        if fused is not None:
+            out.update(fused)
+            continue
         try:
             out[from_hf_key(k)] = v
         except KeyError:
@@ -285,5 +373,5 @@ def state_dict_from_hf(
 
 
 def state_dict_to_hf(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our state dict (tied head already removed) -> ``LlamaForCausalLM`` names."""
+    """Our state dict (tied head already removed) -> ``LlamaForCausalLM`` / ``MixtralForCausalLM`` names."""
     return {to_hf_key(k): v for k, v in sd.items()}

@@ -1,7 +1,9 @@
-"""RMSNorm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization")."""
+"""Normalisation layers: RMSNorm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization"; Llama's choice) and
+LayerNorm (Ba et al. 2016, "Layer Normalization"; the 2017 Transformer's and GPT-2's)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -25,3 +27,30 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+
+class LayerNorm(nn.Module):
+    """``y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias`` over the last dimension (biased variance).
+
+    Statistics in float32 like :class:`RMSNorm`, so the two differ only in the mean subtraction and the bias, which
+    is what the RMSNorm-vs-LayerNorm comparison is about. Shapes: ``[..., dim]`` -> ``[..., dim]``.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.layer_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.weight * y + self.bias
+
+
+def build_norm(kind: str, dim: int, eps: float) -> nn.Module:
+    """``kind`` ``"rmsnorm"`` or ``"layernorm"`` (``ModelConfig.norm``); raises ``ValueError`` otherwise."""
+    if kind == "rmsnorm":
+        return RMSNorm(dim, eps)
+    if kind == "layernorm":
+        return LayerNorm(dim, eps)
+    raise ValueError(f"ModelConfig.norm must be 'rmsnorm' or 'layernorm', got {kind!r}")

@@ -378,9 +378,10 @@ def _train(cfg: TrainConfig, out_dir: Path, info: dist_mod.DistInfo) -> dict[str
                 x, y = sampler.next()
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 with dist_mod.gradient_sync(wrapped, sync=micro == cfg.grad_accum - 1), ctx:
-                    loss = lm_loss(train_forward(x), y) / cfg.grad_accum
+                    lm = lm_loss(train_forward(x), y) / cfg.grad_accum
+                    loss = lm + model.pop_aux_loss() / cfg.grad_accum  # MoE router losses (0.0 for dense models)
                     scaler.scale(loss).backward()
-                loss_sum += loss.detach()  # stays on the device: no host sync per micro-step
+                loss_sum += lm.detach()  # stays on the device: no host sync per micro-step
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             if hasattr(grad_norm, "full_tensor"):  # FSDP2 returns a DTensor
@@ -426,6 +427,7 @@ def _train(cfg: TrainConfig, out_dir: Path, info: dist_mod.DistInfo) -> dict[str
                        "grad_norm": grad_norm.item(), "tokens_per_s": tps,
                        "mfu": tps * fpt / (peak * info.world_size),
                        "memory": memory_stats(device), "train_time": train_time}
+                row.update(model.moe_metrics())  # MoE only: router aux/z losses and per-expert load
                 window_tokens, window_time = 0, 0.0
                 if step % cfg.eval_interval == 0 or is_last:
                     row.update(run_eval())
