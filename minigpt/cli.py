@@ -198,6 +198,32 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """Estimate parameters, FLOPs per token, KV-cache bytes and training memory of a model, without building it.
+
+    The model is --preset NAME (default tiny), or --config FILE (a training YAML, a MiniGPT or Hugging Face
+    config.json, or a model directory), with --set FIELD=VALUE overrides (model.FIELD=VALUE works too). The report
+    names the accounting behind each number; --json prints everything as JSON.
+    """
+    from .estimate import EstimateRequest, estimate, format_report, resolve_config
+
+    overrides = {}
+    for item in args.set or []:
+        if "=" not in item:
+            raise MiniGPTError(f"--set expects FIELD=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        overrides[key.removeprefix("model.")] = _parse_value(value)
+    config = resolve_config(args.preset, args.config, overrides)
+    try:
+        request = EstimateRequest(batch=args.batch, context=args.context, train_batch=args.train_batch,
+                                  train_seq_len=args.train_seq_len, dtype=args.dtype)
+    except ValueError as e:
+        raise MiniGPTError(str(e)) from None
+    result = estimate(config, request)
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    return 0
+
+
 def _common_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help="model preset: tiny, small, medium")
     p.add_argument("--config", help="YAML file of training options")
@@ -278,6 +304,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="MiniGPT model directory to write")
     p.add_argument("--tokenizer", help="tokenizer.json / tokenizer.model to use instead of the source's")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+    p = _add(sub, "estimate", cmd_estimate)
+    p.add_argument("--preset", help="model preset: tiny, small, medium, llama2-7b (default tiny)")
+    p.add_argument("--config", help="training YAML, config.json or model directory")
+    p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="model config override (repeatable)")
+    p.add_argument("--batch", type=int, default=1, help="decode batch for the KV-cache total")
+    p.add_argument("--context", type=int, help="decode context for the KV-cache total and inference FLOPs "
+                                               "(default max_seq_len)")
+    p.add_argument("--train-batch", dest="train_batch", type=int, default=16)
+    p.add_argument("--train-seq-len", dest="train_seq_len", type=int, help="default max_seq_len")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="training compute dtype (autocast over float32 master weights)")
+    p.add_argument("--json", action="store_true", help="print every figure as JSON")
     return parser
 
 
