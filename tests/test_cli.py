@@ -1,33 +1,19 @@
 """The command line: one clear `error: ...` line and exit status 1 for each user mistake; generation end to end."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import TINY_MODEL
+from conftest import TINY_MODEL, assert_one_line_error, run_cli
 from minigpt.checkpoint import save_pretrained
 from minigpt.config import ModelConfig
 from minigpt.tokenizer import Tokenizer
 from minigpt.transformer import Transformer
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
-def run_cli(*args, stdin=None):
-    return subprocess.run([sys.executable, "-m", "minigpt", *map(str, args)], capture_output=True, text=True,
-                          env=ENV, input=stdin, timeout=300)
 
 
-def assert_one_line_error(proc, *fragments):
-    assert proc.returncode == 1, (proc.stdout, proc.stderr)
-    assert "Traceback" not in proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")

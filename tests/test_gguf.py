@@ -1,14 +1,12 @@
 """GGUF import/export: round trips, quantization error, parity with transformers' own GGUF loader, tokenizers rebuilt
 from GGUF metadata, and one clear error per broken file."""
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import assert_one_line_error, run_cli
 import torch
 
 import minigpt.gguf_io as gguf_io
@@ -21,7 +19,6 @@ from minigpt.tokenizer_interop import vocab_from_file
 from minigpt.transformer import Transformer
 
 gguf = pytest.importorskip("gguf")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 torch.set_num_threads(1)
 
 
@@ -50,9 +47,6 @@ def random_model(seed=0, **kw) -> Transformer:
     return model
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "minigpt", *map(str, args)], capture_output=True, text=True,
-                          env=ENV, timeout=300)
 
 
 # ------------------------------------------------------------------------------------------------ round trips
@@ -204,13 +198,6 @@ def test_sentencepiece_vocabulary_through_gguf(tmp_path, shared_data):
 
 
 # ------------------------------------------------------------------------------------------------ errors
-def assert_one_line_error(proc, *fragments):
-    assert proc.returncode == 1, (proc.stdout, proc.stderr)
-    assert "Traceback" not in proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 def test_unsupported_architecture(tmp_path):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import assert_one_line_error, run_cli
 import torch
 
 from minigpt import hf
@@ -373,18 +374,8 @@ def test_llama2c_tokenizer_bin_encodes_like_sentencepiece(shared_data):
 
 
 # ------------------------------------------------------------------------------------------------ errors
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "minigpt", *map(str, args)], capture_output=True, text=True,
-                          env=ENV, timeout=300)
 
 
-def assert_one_line_error(proc, *fragments):
-    assert proc.returncode == 1, (proc.stdout, proc.stderr)
-    assert "Traceback" not in proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 def test_errors_are_one_clear_line(tmp_path):
