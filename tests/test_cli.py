@@ -11,11 +11,6 @@ from minigpt.tokenizer import Tokenizer
 from minigpt.transformer import Transformer
 
 
-
-
-
-
-
 @pytest.fixture(scope="module")
 def tiny_ckpt(tiny_data, tmp_path_factory):
     torch.manual_seed(0)

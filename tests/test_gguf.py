@@ -47,8 +47,6 @@ def random_model(seed=0, **kw) -> Transformer:
     return model
 
 
-
-
 # ------------------------------------------------------------------------------------------------ round trips
 def test_f32_round_trip_is_identical(tmp_path, tokenizer):
     model = random_model(tie_embeddings=False, attention_bias=True)

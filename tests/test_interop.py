@@ -376,8 +376,6 @@ def test_llama2c_tokenizer_bin_encodes_like_sentencepiece(shared_data):
 # ------------------------------------------------------------------------------------------------ errors
 
 
-
-
 def test_errors_are_one_clear_line(tmp_path):
     model = random_model(n_kv_heads=2, tie_embeddings=False)
     hf_reference(model).save_pretrained(tmp_path / "good")
