@@ -1,0 +1,126 @@
+"""Helpers shared by the serving tests: a quickly trained tiny model, and a `minigpt serve` subprocess."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from conftest import TINY_MODEL
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+       "PYTHONUNBUFFERED": "1"}
+# A long context so that a long generation takes long enough to be cancelled or drained mid-way.
+SERVED_MODEL = {**TINY_MODEL, "max_seq_len": 512}
+
+
+def train_tiny_model(data_dir: Path, out: Path, steps: int = 200):
+    """A TINY_MODEL-shaped model trained for ``steps`` AdamW steps on ``data_dir`` (a second or two): its greedy
+    text varies like real text, and its logits have realistic gaps, unlike a random init's near-ties."""
+    from minigpt.checkpoint import save_pretrained
+    from minigpt.config import ModelConfig
+    from minigpt.data import BatchSampler, load_split
+    from minigpt.tokenizer import Tokenizer
+    from minigpt.transformer import Transformer
+
+    torch.manual_seed(0)
+    tok = Tokenizer.from_dir(data_dir)
+    model = Transformer(ModelConfig(vocab_size=tok.vocab_size, **SERVED_MODEL))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batches = BatchSampler(load_split(data_dir, "train"), 16, 64, seed=0)
+    for _ in range(steps):
+        x, y = batches.next()
+        loss = model.loss(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    return save_pretrained(model, out, tokenizer=tok)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m minigpt serve CKPT` on a free loopback port, one torch thread; stopped with SIGTERM."""
+
+    def __init__(self, ckpt: Path, *args: str, log: Optional[Path] = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        out = open(log, "w") if log else subprocess.DEVNULL
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "minigpt", "serve", str(ckpt), "--port", str(self.port), "--threads", "1",
+             "--log-level", "warning", *args],
+            env=ENV, stdout=out, stderr=subprocess.STDOUT)
+        self.wait_healthy()
+
+    def wait_healthy(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.output()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError(f"server not healthy after {timeout} s: {self.output()}")
+
+    def output(self) -> str:
+        return self.log.read_text() if self.log and self.log.exists() else ""
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def metrics(url: str) -> dict[str, float]:
+    from minigpt.metrics import parse_text
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        return parse_text(r.read().decode())
+
+
+class InProcessServer:
+    """The app of :func:`minigpt.server.create_app` under uvicorn in a thread of the test process."""
+
+    def __init__(self, state, start_worker: bool = True) -> None:
+        import threading
+
+        import uvicorn
+
+        from minigpt.server import create_app
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(create_app(state, start_worker=start_worker), host="127.0.0.1", port=self.port,
+                                log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("in-process server did not start")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
