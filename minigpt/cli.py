@@ -224,6 +224,30 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ablate(args: argparse.Namespace) -> int:
+    """Train architecture variants side by side on Tiny Shakespeare and write docs/ablations.md with plots.
+
+    COMPARISON: norm, norm_position, positions, ffn, heads, attention, tying, moe, or all (default). Every variant
+    of a comparison gets the same training tokens, a fixed seed, and (for architectural comparisons) the same
+    non-embedding parameter count; the baseline is the preset itself and is shared. At --scale tiny each comparison
+    takes a few minutes on 2 CPU cores; small and medium are for bigger machines. Finished runs in --out-dir are
+    reused unless --force.
+    """
+    from .ablate import AblationSettings, run_ablations
+
+    settings = AblationSettings(out_dir=Path(args.out_dir), docs_dir=Path(args.docs_dir), scale=args.scale,
+                                threads=args.threads, steps=args.steps, seed=args.seed, force=args.force,
+                                data=args.data, command="minigpt ablate " + " ".join(sys.argv[2:]))
+    if args.report_only:
+        from .ablate import rewrite_report
+
+        print(f"wrote {rewrite_report(settings)}")
+        return 0
+    records = run_ablations(args.comparisons, settings)
+    print(f"wrote {settings.docs_dir / 'ablations.md'} ({records['wall_s'] / 60:.1f} min)")
+    return 0
+
+
 def _common_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help="model preset: tiny, small, medium")
     p.add_argument("--config", help="YAML file of training options")
@@ -317,6 +341,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="training compute dtype (autocast over float32 master weights)")
     p.add_argument("--json", action="store_true", help="print every figure as JSON")
+
+    p = _add(sub, "ablate", cmd_ablate)
+    p.add_argument("comparisons", nargs="*", default=["all"], metavar="COMPARISON")
+    p.add_argument("--scale", default="tiny", help="tiny (default), small or medium")
+    p.add_argument("--threads", type=int, default=2, help="torch threads per run (default 2)")
+    p.add_argument("--steps", type=int, help="override the scale's training steps per run")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--data", default="shakespeare", help="bundled corpus or text file (default shakespeare)")
+    p.add_argument("--out-dir", dest="out_dir", default="runs/ablate", help="run directories (default runs/ablate)")
+    p.add_argument("--docs-dir", dest="docs_dir", default="docs", help="where ablations.md and the plots go")
+    p.add_argument("--force", action="store_true", help="retrain runs that already finished")
+    p.add_argument("--report-only", dest="report_only", action="store_true",
+                   help="rewrite the report from the last run's measurements (OUT_DIR/ablations-SCALE.json)")
     return parser
 
 
