@@ -194,7 +194,7 @@ def load_config(directory: str | Path) -> ModelConfig:
     d = _read_json(directory / "config.json")
     try:
         if d.get("format") == FORMAT:
-            return ModelConfig.from_dict({k: v for k, v in d.items() if k != "format"})
+            return ModelConfig.from_dict({k: v for k, v in d.items() if k not in ("format", "quantization")})
         if hf.is_hf_dir(directory):
             return hf.config_from_hf(d)
     except (ValueError, KeyError, TypeError) as e:
@@ -237,10 +237,20 @@ def load_model(
 ) -> Transformer:
     """Load a model into a :class:`Transformer` in eval mode, ``dtype`` (default float32) on ``device``.
 
-    ``source``: a MiniGPT or Hugging Face directory, a ``.gguf`` file or a llama2.c ``.bin`` file. Raises
-    :class:`MiniGPTError` for a missing directory/file, corrupt weights, or weights that do not fit the config.
+    ``source``: a MiniGPT or Hugging Face directory, a ``.gguf`` file or a llama2.c ``.bin`` file. A directory
+    saved quantized (:func:`minigpt.quant.save_quantized`) loads as a quantized model (int8 weights kept; ``dtype``
+    applies to its float tensors). Raises :class:`MiniGPTError` for a missing directory/file, corrupt weights, or
+    weights that do not fit the config.
     """
     config, tensors = read_source(source)
+    quantization = quantization_of(source)
+    if quantization is not None:
+        from .quant import METHOD, load_quantized
+
+        if quantization.get("method") != METHOD:
+            raise MiniGPTError(f"{source}: unknown quantization method {quantization.get('method')!r}; this "
+                               f"version reads {METHOD!r}")
+        return load_quantized(config, tensors, str(source), device, dtype)
     with torch.device("meta"):
         model = Transformer(config)
     model = model.to_empty(device=device)
@@ -251,6 +261,15 @@ def load_model(
     load_state_into(model, tensors, str(source))
     model = model.to(dtype=dtype or torch.float32)
     return model.eval()
+
+
+def quantization_of(source: str | Path) -> Optional[dict]:
+    """The ``quantization`` entry of a MiniGPT directory's ``config.json`` (None: a float model)."""
+    path = Path(source) / "config.json"
+    if not path.is_file():
+        return None
+    d = _read_json(path)
+    return d.get("quantization") if d.get("format") == FORMAT else None
 
 
 def load_tokenizer(source: str | Path):

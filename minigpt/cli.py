@@ -19,15 +19,25 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     """Tokenize a corpus into train.bin / val.bin token shards (numpy memmaps) plus meta.json.
 
     --data is a bundled corpus (shakespeare, tang-poems), a .txt / .jsonl / .parquet file, a directory saved by
-    `datasets`, or a dataset name. Without --tokenizer a byte-level BPE of --vocab-size tokens is trained on the
-    training split and saved as tokenizer.json in --out-dir.
+    `datasets`, a dataset name, or hf:NAME[:CONFIG][:SPLIT] to stream a Hugging Face dataset (hub names need
+    network access; a local directory of parquet/jsonl files works offline). Without --tokenizer a byte-level BPE
+    of --vocab-size tokens is trained on the first --tokenizer-sample-bytes of the training split and saved as
+    tokenizer.json in --out-dir.
+
+    The input is streamed with bounded memory whatever its size, and tokenized in --workers processes (the output
+    is byte-identical for any number). Progress goes to stderr (a bar on a terminal, else a line every 15 s), then
+    one line with the throughput in MB/s of input text; stdout gets the meta.json contents. An interrupted run can
+    simply be re-run: the token files are renamed into place only when complete.
     """
     from . import data
     from .tokenizer import Tokenizer
 
     tok = Tokenizer.from_file(args.tokenizer) if args.tokenizer else None
+    sample = (data.DEFAULT_TOKENIZER_SAMPLE_BYTES if args.tokenizer_sample_bytes is None
+              else data.parse_size(args.tokenizer_sample_bytes, "--tokenizer-sample-bytes"))
     meta = data.prepare(args.data, args.out_dir, tokenizer=tok, vocab_size=None if tok else args.vocab_size,
-                        val_fraction=args.val_fraction, seed=args.seed)
+                        val_fraction=args.val_fraction, seed=args.seed, workers=args.workers,
+                        tokenizer_sample_bytes=sample, progress=True)
     print(json.dumps(meta, indent=2))
     return 0
 
@@ -76,7 +86,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise MiniGPTError(f"config file {path} must hold a mapping of options")
     flag_map = {"preset": "preset", "data": "data", "out_dir": "out_dir", "max_steps": "max_steps",
                 "max_time": "max_time", "device": "device", "dtype": "dtype", "seed": "seed",
-                "batch_size": "batch_size", "lr": "lr", "vocab_size": "vocab_size", "threads": "threads"}
+                "batch_size": "batch_size", "lr": "lr", "vocab_size": "vocab_size", "threads": "threads",
+                "parallel": "parallel", "keep_checkpoints": "keep_checkpoints"}
     for flag, key in flag_map.items():
         value = getattr(args, flag)
         if value is not None:
@@ -85,6 +96,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         options["resume"] = True
     if args.compile:
         options["compile"] = True
+    if args.activation_checkpointing:
+        options["activation_checkpointing"] = True
     for item in args.set or []:
         if "=" not in item:
             raise MiniGPTError(f"--set expects KEY=VALUE, got {item!r}")
@@ -105,58 +118,143 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Generate text from a checkpoint (a run directory, a checkpoint directory or a Hugging Face Llama directory).
 
     The prompt is prefilled in one pass, then tokens are decoded one at a time through the KV cache and streamed.
-    Temperature 0 is greedy decoding.
+    Temperature 0 is greedy decoding. Several prompts (--prompt repeated, or --prompt-file with --batch: one prompt
+    per line) are generated together in one left-padded batch, each row stopping on its own; their completions are
+    printed in order, separated by blank lines (--jsonl: one JSON object per prompt).
+
+    Speed: the fast path (fused projections; --no-fast turns it off) runs by default; --compile compiles the
+    single-token step (compile time is printed with --stats); --quantize int8 quantizes the weights at load time
+    (a directory written by `minigpt quantize` is already quantized); --draft CKPT decodes speculatively with a
+    small draft model sharing the tokenizer (--draft-k tokens per round; the output is distributed exactly as
+    without it, and identical when greedy).
     """
+    import time
+
     import torch
 
-    from .checkpoint import load_model, load_tokenizer, resolve_checkpoint
-    from .generate import generate_tokens
+    from .checkpoint import load_tokenizer, resolve_checkpoint
+    from .fastpath import load_for_inference
+    from .generate import generate_batch, generate_tokens
     from .tokenizer import StreamDecoder
     from .train import DTYPES, pick_device
 
     ckpt = resolve_checkpoint(args.ckpt)
     device = pick_device(args.device)
-    model = load_model(ckpt, device=device, dtype=DTYPES[args.dtype])
+    options = dict(device=device, dtype=DTYPES[args.dtype], quantize=args.quantize, compile=args.compile,
+                   compile_mode=args.compile_mode, fast=not args.no_fast)
+    model = load_for_inference(ckpt, **options)
     tokenizer = load_tokenizer(ckpt)
-    if args.prompt is not None:
-        prompt = args.prompt
-    elif args.prompt_file:
-        try:
-            prompt = Path(args.prompt_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise MiniGPTError(f"cannot read prompt file {args.prompt_file}: {e}") from None
-    elif not sys.stdin.isatty():
-        prompt = sys.stdin.read()
-    else:
-        prompt = ""
-    ids = tokenizer.encode(prompt)
-    if tokenizer.bos_id is not None and (args.bos or not ids):
-        ids = [tokenizer.bos_id] + ids
+    prompts = _read_prompts(args)
+
+    def encode(text: str) -> list[int]:
+        ids = tokenizer.encode(text)
+        if tokenizer.bos_id is not None and (args.bos or not ids):
+            ids = [tokenizer.bos_id] + ids
+        return ids
+
     stop_ids = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
     if tokenizer.bos_id is not None and tokenizer.bos_id not in stop_ids:
         stop_ids.append(tokenizer.bos_id)  # llama2.c models mark a new story with BOS
     if args.seed is not None:
         torch.manual_seed(args.seed)
     out = sys.stdout
-    if args.echo:
-        out.write(prompt)
-    decoder = StreamDecoder(tokenizer)
-    text = ""
-    for token in generate_tokens(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                                 args.seed, stop_ids, truncate=args.truncate_prompt):
-        piece = decoder.push(token)
-        text += piece
-        hit = next((s for s in args.stop or [] if s in text), None)
-        if hit is not None:
-            cut = text.index(hit)
-            out.write(piece[: max(0, len(piece) - (len(text) - cut))])
-            break
-        out.write(piece)
+    t0 = time.perf_counter()
+    n_tokens, extra = 0, ""
+    if len(prompts) > 1:
+        if args.draft:
+            raise MiniGPTError("--draft decodes one prompt at a time; give a single prompt")
+        results = generate_batch(model, [encode(p) for p in prompts], args.max_new_tokens, args.temperature,
+                                 args.top_k, args.top_p, args.seed, stop_ids, args.stop or [], tokenizer,
+                                 truncate=args.truncate_prompt)
+        for i, (prompt, r) in enumerate(zip(prompts, results)):
+            n_tokens += len(r.tokens)
+            if args.jsonl:
+                out.write(json.dumps({"index": i, "prompt": prompt, "completion": r.text, "tokens": len(r.tokens),
+                                      "finish_reason": r.finish_reason}, ensure_ascii=False) + "\n")
+            else:
+                out.write(("\n" if i else "") + (prompt if args.echo else "") + r.text + "\n")
         out.flush()
     else:
-        out.write(decoder.flush())
-    out.write("\n")
-    out.flush()
+        ids = encode(prompts[0])
+        if args.draft:
+            from .speculative import SpeculativeStats, speculative_tokens
+
+            draft = load_for_inference(resolve_checkpoint(args.draft), **options)
+            stats = SpeculativeStats()
+            tokens = speculative_tokens(model, draft, ids, args.max_new_tokens, args.draft_k, args.temperature,
+                                        args.top_k, args.top_p, args.seed, stop_ids, args.truncate_prompt, stats)
+        else:
+            tokens = generate_tokens(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                                     args.seed, stop_ids, truncate=args.truncate_prompt)
+        if args.echo:
+            out.write(prompts[0])
+        decoder = StreamDecoder(tokenizer)
+        text = ""
+        for token in tokens:
+            n_tokens += 1
+            piece = decoder.push(token)
+            text += piece
+            hit = next((s for s in args.stop or [] if s in text), None)
+            if hit is not None:
+                cut = text.index(hit)
+                out.write(piece[: max(0, len(piece) - (len(text) - cut))])
+                break
+            out.write(piece)
+            out.flush()
+        else:
+            out.write(decoder.flush())
+        out.write("\n")
+        out.flush()
+        if args.draft:
+            extra = (f" | speculative: {stats.acceptance_rate:.1%} of {stats.proposed} draft tokens accepted, "
+                     f"{stats.tokens_per_round:.2f} tokens per target forward")
+    if args.stats:
+        seconds = time.perf_counter() - t0
+        compile_s = getattr(model, "compile_seconds", 0.0)
+        print(f"[{n_tokens} tokens in {seconds:.2f} s: {n_tokens / max(seconds, 1e-9):.1f} tokens/s"
+              + (f" (of which compilation {compile_s:.1f} s)" if compile_s else "") + extra + "]", file=sys.stderr)
+    return 0
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts of `generate`: every --prompt, else the --prompt-file (one prompt per line with --batch), else
+    stdin (likewise), else the empty prompt."""
+    if args.prompt:
+        return list(args.prompt)
+    if args.prompt_file:
+        try:
+            text = Path(args.prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise MiniGPTError(f"cannot read prompt file {args.prompt_file}: {e}") from None
+    elif not sys.stdin.isatty():
+        text = sys.stdin.read()
+    else:
+        return [""]
+    if args.batch:
+        prompts = [line for line in text.splitlines() if line.strip()]
+        if not prompts:
+            raise MiniGPTError("--batch: the prompt file has no non-empty line")
+        return prompts
+    return [text]
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    """Quantize a model to int8 weight-only (per-output-channel symmetric scales) and save it; every command that
+    takes a checkpoint loads the result as is. Prints the weight bytes before and after."""
+    from .checkpoint import load_model, load_tokenizer, resolve_checkpoint
+    from .quant import quantize_model, save_quantized
+
+    src = resolve_checkpoint(args.ckpt)
+    model = load_model(src)
+    before = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    quantize_model(model)
+    try:
+        tokenizer = load_tokenizer(src)
+    except MiniGPTError:
+        tokenizer = None
+    path = save_quantized(model, args.out, tokenizer)
+    after = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    print(f"wrote {path} ({before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB of tensors)")
     return 0
 
 
@@ -195,6 +293,18 @@ def cmd_import(args: argparse.Namespace) -> int:
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     path = import_model(resolve_checkpoint(args.src), args.out, args.tokenizer, dtypes[args.dtype])
     print(f"wrote {path}")
+    return 0
+
+
+def cmd_checkpoint_consolidate(args: argparse.Namespace) -> int:
+    """Turn a training checkpoint (also a sharded FSDP one) into a single-file model directory for export/generate."""
+    from .checkpoint import resolve_checkpoint
+    from .train_state import consolidate
+
+    src = Path(args.ckpt)
+    ckpt = src if (src / "dcp").is_dir() else resolve_checkpoint(src)
+    out = consolidate(ckpt, Path(args.out))
+    print(f"wrote {out}")
     return 0
 
 
@@ -248,6 +358,74 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve a model over an OpenAI-compatible HTTP API with continuous batching (FastAPI + uvicorn).
+
+    CKPT: run dir, checkpoint dir, HF model dir, .gguf or llama2.c .bin. Endpoints: POST /v1/completions,
+    POST /v1/chat/completions (streaming with "stream": true), GET /v1/models, /health, /metrics (Prometheus) and
+    a chat page at /. With --api-key (or MINIGPT_API_KEY) every /v1/* request needs "Authorization: Bearer KEY".
+    Up to --max-batch-size requests decode together (one KV-cache slot each) while their prompt + max_tokens stay
+    within --max-batch-tokens; up to --max-queue more wait (429 beyond). SIGTERM finishes running requests (for up
+    to --shutdown-timeout seconds), cancels the rest and exits 0.
+    """
+    import torch
+
+    from .server import serve
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    api_key = args.api_key if args.api_key is not None else os.environ.get("MINIGPT_API_KEY")
+    for name in ("max_batch_size", "max_queue"):
+        if getattr(args, name) < (1 if name == "max_batch_size" else 0):
+            raise MiniGPTError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    return serve(args.ckpt, host=args.host, port=args.port, api_key=api_key, model_name=args.model_name,
+                 max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
+                 max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens,
+                 request_timeout=args.request_timeout or None, shutdown_timeout=args.shutdown_timeout,
+                 device=args.device, dtype=args.dtype, log_level=args.log_level)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Chat with a model in the terminal, answers streamed as they are generated (no server needed).
+
+    The conversation is rendered with the model's chat template, or a plain "User: ... / Assistant:" one. Type
+    /reset to start over and /quit (or Ctrl-D) to leave; Ctrl-C stops the current answer.
+    """
+    import torch
+
+    from .chat import run_chat
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return run_chat(args.ckpt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, seed=args.seed, system=args.system, device=args.device, dtype=args.dtype)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    """Benchmark `minigpt serve`: aggregate tokens/s of N concurrent streaming clients vs sequential, and TTFT.
+
+    Starts the server on a free loopback port (from CKPT, or a random-init --preset model when none is given) or
+    uses --url. For each --clients level, sends clients x --rounds greedy streaming completions one after another,
+    then from that many concurrent clients, and prints a markdown table (--json: also the numbers as JSON).
+    """
+    import dataclasses
+
+    from .bench_serve import bench_serve
+
+    try:
+        clients = tuple(int(c) for c in args.clients.split(","))
+    except ValueError:
+        raise MiniGPTError(f"--clients takes comma-separated integers, got {args.clients!r}") from None
+    if not clients or min(clients) < 1 or args.rounds < 1 or args.max_tokens < 1 or args.repeats < 1:
+        raise MiniGPTError("--clients, --rounds, --max-tokens and --repeats must be positive")
+    levels = bench_serve(args.ckpt, preset=args.preset, url=args.url, clients=clients, rounds=args.rounds,
+                         max_tokens=args.max_tokens, prompt_words=args.prompt_words, api_key=args.api_key,
+                         threads=args.threads, max_batch_size=args.max_batch_size, repeats=args.repeats)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(level) for level in levels], indent=2))
+    return 0
+
+
 def _common_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help="model preset: tiny, small, medium")
     p.add_argument("--config", help="YAML file of training options")
@@ -264,6 +442,11 @@ def _common_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", dest="vocab_size", type=int, help="tokenizer size if the data is prepared here")
     p.add_argument("--threads", type=int, help="torch intra-op threads")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (compile time counts as training)")
+    p.add_argument("--parallel", choices=["none", "ddp", "fsdp"],
+                   help="data parallelism under torchrun: DDP, or FSDP2 sharding per transformer block")
+    p.add_argument("--activation-checkpointing", dest="activation_checkpointing", action="store_true",
+                   help="recompute block activations in the backward pass to save memory")
+    p.add_argument("--keep-checkpoints", dest="keep_checkpoints", type=int, help="how many checkpoints to keep")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="any training option, or model.FIELD=VALUE for the model config (repeatable)")
 
@@ -287,6 +470,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", dest="vocab_size", type=int, default=4096)
     p.add_argument("--val-fraction", dest="val_fraction", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=1234, help="seed of the document-level validation split")
+    p.add_argument("--workers", type=int,
+                   help="tokenizer processes (default: the usable CPU cores up to 8, or 1 with 2 cores or fewer)")
+    p.add_argument("--tokenizer-sample-bytes", dest="tokenizer_sample_bytes", metavar="SIZE",
+                   help="train the tokenizer on the first SIZE bytes of the training split, e.g. 500MB or 2GB; "
+                        "0 = all of it (default 200MB)")
 
     tok = sub.add_parser("tokenizer", help="tokenizer tools").add_subparsers(dest="tokenizer_command", required=True)
     p = _add(tok, "train", cmd_tokenizer_train)
@@ -297,10 +485,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = _add(sub, "train", cmd_train)
     _common_train_flags(p)
 
+    ck = sub.add_parser("checkpoint", help="checkpoint tools").add_subparsers(dest="checkpoint_command", required=True)
+    p = _add(ck, "consolidate", cmd_checkpoint_consolidate)
+    p.add_argument("ckpt", help="a run directory or a checkpoints/step_N directory")
+    p.add_argument("out", help="output model directory")
+
     p = _add(sub, "generate", cmd_generate)
     p.add_argument("ckpt", help="run dir, checkpoint dir, or Hugging Face Llama dir")
-    p.add_argument("--prompt")
+    p.add_argument("--prompt", action="append", help="a prompt; repeat it to generate several prompts as a batch")
     p.add_argument("--prompt-file", dest="prompt_file")
+    p.add_argument("--batch", action="store_true",
+                   help="each non-empty line of --prompt-file (or stdin) is its own prompt; all run in one batch")
+    p.add_argument("--jsonl", action="store_true", help="batch output as JSON lines (prompt, completion, ...)")
     p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", dest="top_k", type=int, default=None)
@@ -313,6 +509,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--echo", action="store_true", help="print the prompt before the generated text")
     p.add_argument("--truncate-prompt", dest="truncate_prompt", action="store_true",
                    help="drop the oldest prompt tokens instead of failing when the context is too short")
+    p.add_argument("--no-fast", dest="no_fast", action="store_true",
+                   help="run the model's own forward instead of the fused fast path")
+    p.add_argument("--compile", action="store_true", help="torch.compile the single-token decode step")
+    p.add_argument("--compile-mode", dest="compile_mode", default=None,
+                   help="torch.compile mode, e.g. max-autotune-no-cudagraphs (default: inductor's default)")
+    p.add_argument("--quantize", choices=["int8"], help="int8 weight-only quantization at load time")
+    p.add_argument("--draft", metavar="CKPT", help="speculative decoding with this draft model (same tokenizer)")
+    p.add_argument("--draft-k", dest="draft_k", type=int, default=4, help="draft tokens per round (default 4)")
+    p.add_argument("--stats", action="store_true", help="print tokens/s (and compile time, acceptance) to stderr")
+
+    p = _add(sub, "quantize", cmd_quantize)
+    p.add_argument("ckpt", help="run dir, checkpoint dir, HF model dir, .gguf or llama2.c .bin")
+    p.add_argument("out", help="output model directory (int8 weights + per-channel scales)")
 
     p = _add(sub, "export", cmd_export)
     p.add_argument("ckpt", help="run dir, checkpoint dir, HF model dir, .gguf or llama2.c .bin")
@@ -354,6 +563,64 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="retrain runs that already finished")
     p.add_argument("--report-only", dest="report_only", action="store_true",
                    help="rewrite the report from the last run's measurements (OUT_DIR/ablations-SCALE.json)")
+
+    from .bench import add_bench_parser
+
+    bench = add_bench_parser(sub)
+
+    p = _add(sub, "serve", cmd_serve)
+    p.add_argument("ckpt", help="run dir, checkpoint dir, HF model dir, .gguf or llama2.c .bin")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", dest="api_key", help="require 'Authorization: Bearer KEY' on /v1/* "
+                   "(default: $MINIGPT_API_KEY, else no auth)")
+    p.add_argument("--model-name", dest="model_name", help="the model id clients send (default: the checkpoint's "
+                   "directory or file name)")
+    p.add_argument("--max-batch-size", dest="max_batch_size", type=int, default=16,
+                   help="KV-cache slots = requests decoded together (default 16)")
+    p.add_argument("--max-batch-tokens", dest="max_batch_tokens", type=int, default=None,
+                   help="most prompt + max_tokens tokens the running requests may reserve together "
+                   "(default: max-batch-size x context)")
+    p.add_argument("--max-queue", dest="max_queue", type=int, default=256,
+                   help="requests that may wait for a slot; more get 429 (default 256)")
+    p.add_argument("--max-prefill-tokens", dest="max_prefill_tokens", type=int, default=None,
+                   help="most padded prompt tokens prefilled between two decode steps (default max(context, 1024))")
+    p.add_argument("--request-timeout", dest="request_timeout", type=float, default=600.0,
+                   help="seconds a request may take, queue included (0: no limit; default 600)")
+    p.add_argument("--shutdown-timeout", dest="shutdown_timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for running requests before cancelling them (default 30)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, help="torch intra-op threads of the model worker")
+    p.add_argument("--log-level", dest="log_level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+
+    p = _add(sub, "chat", cmd_chat)
+    p.add_argument("ckpt", help="run dir, checkpoint dir, HF model dir, .gguf or llama2.c .bin")
+    p.add_argument("--max-tokens", dest="max_tokens", type=int, default=256, help="longest answer in tokens")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", dest="top_k", type=int, default=None)
+    p.add_argument("--top-p", dest="top_p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None, help="turn i samples with seed + i")
+    p.add_argument("--system", help="a system message opening the conversation")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, help="torch intra-op threads")
+
+    p = _add(bench, "serve", cmd_bench_serve)  # the `bench` group comes from minigpt.bench
+    p.add_argument("ckpt", nargs="?", help="model to serve (default: a random-init --preset model)")
+    p.add_argument("--preset", default="small", help="preset of the random-init model (default small)")
+    p.add_argument("--url", help="benchmark a running server instead of starting one")
+    p.add_argument("--api-key", dest="api_key", help="API key of the server at --url")
+    p.add_argument("--clients", default="1,4,16,32", help="concurrency levels (default 1,4,16,32)")
+    p.add_argument("--rounds", type=int, default=2, help="requests per client at each level (default 2)")
+    p.add_argument("--repeats", type=int, default=1, help="measure each level this many times; report medians")
+    p.add_argument("--max-tokens", dest="max_tokens", type=int, default=64, help="new tokens per request")
+    p.add_argument("--prompt-words", dest="prompt_words", type=int, default=24, help="words per prompt")
+    p.add_argument("--max-batch-size", dest="max_batch_size", type=int, default=None,
+                   help="server slots (default: the largest --clients)")
+    p.add_argument("--threads", type=int, help="torch threads of the server it starts")
+    p.add_argument("--json", action="store_true", help="also print the rows as JSON")
     return parser
 
 

@@ -79,6 +79,17 @@ def _special_ids(tokenizer) -> dict[str, Optional[int]]:
             "unk_token": tokenizer.token_to_id("<unk>")}
 
 
+def _float_model(source: str | Path):
+    """:func:`load_model`, refusing an int8-quantized directory (its layers have no float weight to export)."""
+    from .quant import is_quantized
+
+    model = load_model(source)
+    if is_quantized(model):
+        raise MiniGPTError(f"{source} holds int8-quantized weights (minigpt.quant); export the float checkpoint it "
+                           "was quantized from instead")
+    return model
+
+
 def export_hf(source: str | Path, out: str | Path, dtype: str = "float32", max_shard_size: str | int = "5GB") -> Path:
     """Write ``source`` (any model source :func:`minigpt.checkpoint.load_model` reads) as a ``LlamaForCausalLM``
     (or ``MixtralForCausalLM``) directory ``out`` in ``dtype`` (float32 / bfloat16 / float16). Returns ``out``.
@@ -90,7 +101,7 @@ def export_hf(source: str | Path, out: str | Path, dtype: str = "float32", max_s
         raise MiniGPTError(f"--dtype {dtype!r} is not available for Hugging Face export; choose one of "
                            f"{sorted(HF_DTYPES)}")
     max_bytes = parse_size(max_shard_size)
-    model = load_model(source)
+    model = _float_model(source)
     hf.config_to_hf(model.config)  # refuses, by field name, what the architecture cannot hold
     try:
         tokenizer = load_tokenizer(source)
@@ -127,7 +138,7 @@ def export_gguf(source: str | Path, out: str | Path, dtype: str = "float32") -> 
     """
     from .gguf_io import write_gguf
 
-    model = load_model(source)
+    model = _float_model(source)
     out = Path(out)
     path = out if out.suffix == ".gguf" else out / "model.gguf"
     vocab = None

@@ -43,8 +43,10 @@ def measure_peak_flops(device_type: str, dtype: torch.dtype, size: int = 1024, s
     MFU is quoted against this measured peak rather than a datasheet figure, because a shared 2-core VM's real
     ceiling is what bounds us (and bf16 without hardware support can be 100x slower than fp32).
     """
-    a = torch.randn(size, size, device=device_type).to(dtype)
-    b = torch.randn(size, size, device=device_type).to(dtype)
+    # A private generator: drawing from the global one would shift a resumed run's dropout masks.
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=g).to(device_type, dtype)
+    b = torch.randn(size, size, generator=g).to(device_type, dtype)
     a @ b
     n, start = 0, time.perf_counter()
     while True:

@@ -1,0 +1,507 @@
+"""``minigpt bench``: MiniGPT and ``transformers`` side by side, in one process, on identical weights.
+
+For each preset (``tiny``, ``small``, ``medium``; random weights, vocabulary 4096) and dtype (``float32``,
+``bfloat16``) the model is saved, exported to a Hugging Face directory with :func:`minigpt.export.export_hf` and
+loaded back by ``transformers.LlamaForCausalLM`` (when ``transformers`` is installed), so both sides hold the same
+numbers. Rows:
+
+* ``decode-b1`` / ``decode-b8``: greedy generation of ``--new-tokens`` (128) tokens after a ``--prompt-len`` (32)
+  token prompt, batch 1 and 8; tokens/s = ``batch * new_tokens / wall time of the whole call`` (prefill included,
+  as a user sees it). Also reported: achieved weight bandwidth, GB/s = ``weight bytes * decode steps/s`` (each step
+  reads every weight once, whatever the batch), and for the compiled variant its compile time.
+* ``prefill``: one forward over ``--prefill-len`` (512) tokens into a fresh KV cache, next-token logits only
+  (``logits_to_keep=1`` for ``transformers``, which is what its ``generate`` does); tokens/s.
+* ``train``: one optimizer step on ``--train-batch x --train-seq`` (8 x 256) tokens: forward, float32
+  cross-entropy, backward, AdamW, ``zero_grad``; ``bfloat16`` means bf16 autocast over float32 weights on both
+  sides. tokens/s and MFU = ``tokens/s * FLOPs/token / measured peak of the dtype`` (:mod:`minigpt.perf`).
+
+Implementations (columns): ``transformers`` (eager, its default SDPA attention and dynamic cache), ``minigpt``
+(:class:`~minigpt.fastpath.FastPath`, eager), ``minigpt+compile`` (the compiled decode step / compiled training
+forward) and ``minigpt+int8`` (weight-only int8, compiled if ``--compile``). Each row times every implementation
+round-robin (A B C A B C ...), after ``--warmup`` untimed runs each, ``--repeats`` times, and reports the median
+with min-max and the ratio to ``transformers``. Shared machines drift; the interleaving keeps the ratios fair.
+
+Output: a markdown table on stdout (``--out FILE`` also writes it) and, with ``--json FILE``, every measurement.
+The ``bench`` command leaves room for sub-commands (``minigpt bench serve``): :func:`add_bench_parser` returns the
+sub-parser group.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+ROWS = ("decode-b1", "decode-b8", "prefill", "train")
+PRESET_NAMES = ("tiny", "small", "medium")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+REFERENCE = "transformers"
+
+
+@dataclass
+class BenchSettings:
+    """What to measure; see the module docstring. ``impls`` None = every available implementation."""
+
+    presets: list[str] = field(default_factory=lambda: ["tiny", "small", "medium"])
+    dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
+    rows: list[str] = field(default_factory=lambda: list(ROWS))
+    repeats: int = 5
+    warmup: int = 1
+    compile: bool = False
+    compile_mode: Optional[str] = None
+    quantize: Optional[str] = None
+    transformers: bool = True
+    threads: Optional[int] = None
+    vocab_size: int = 4096
+    prompt_len: int = 32
+    new_tokens: int = 128
+    prefill_len: int = 512
+    train_batch: int = 8
+    train_seq: int = 256
+    seed: int = 0
+    cold_compile: bool = True  # compile into an empty Inductor cache, so compile times are first-use times
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("presets", PRESET_NAMES), ("dtypes", tuple(DTYPES)), ("rows", ROWS)):
+            bad = [v for v in getattr(self, name) if v not in allowed]
+            if bad:
+                raise ValueError(f"unknown {name} {bad}; choose from {list(allowed)}")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ValueError("repeats must be >= 1 and warmup >= 0")
+        if self.quantize not in (None, "int8"):
+            raise ValueError(f"--quantize must be int8, got {self.quantize!r}")
+
+
+@dataclass
+class Measurement:
+    """One (preset, dtype, row, implementation) cell: ``value`` is the median of ``samples`` (tokens/s)."""
+
+    preset: str
+    dtype: str
+    row: str
+    impl: str
+    samples: list[float]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def value(self) -> float:
+        return statistics.median(self.samples)
+
+
+# ------------------------------------------------------------------------------------------------ models
+def _random_checkpoint(name: str, settings: BenchSettings, root: Path) -> tuple[Path, Optional[Path]]:
+    """Save a random ``name`` preset model to ``root/name`` and, if transformers is wanted, export it to
+    ``root/name-hf``. Returns both paths (the second None without transformers)."""
+    from .checkpoint import save_pretrained
+    from .config import preset
+    from .export import export_hf
+    from .transformer import Transformer
+
+    torch.manual_seed(settings.seed)
+    model = Transformer(preset(name, vocab_size=settings.vocab_size))
+    ckpt = save_pretrained(model, root / name)
+    hf_dir = export_hf(ckpt, root / f"{name}-hf") if settings.transformers else None
+    return ckpt, hf_dir
+
+
+def _load_hf(hf_dir: Path, dtype: torch.dtype):
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, attn_implementation="sdpa")
+    model.generation_config.eos_token_id = None  # always generate exactly new_tokens
+    return model.eval()
+
+
+def transformers_available() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------- workloads
+def _decode_workload(impl: str, model, batch: int, s: BenchSettings, prompt: torch.Tensor) -> Callable[[], Any]:
+    from .generate import generate_batch
+
+    if impl == REFERENCE:
+        mask = torch.ones_like(prompt)
+
+        def run():
+            with torch.inference_mode():
+                return model.generate(prompt, attention_mask=mask, max_new_tokens=s.new_tokens,
+                                      min_new_tokens=s.new_tokens, do_sample=False, pad_token_id=0)[:, prompt.shape[1]:]
+        return run
+    rows = prompt.tolist()
+
+    def run():
+        return torch.tensor([c.tokens for c in generate_batch(model, rows, s.new_tokens)])
+    return run
+
+
+def _prefill_workload(impl: str, model, s: BenchSettings, tokens: torch.Tensor) -> Callable[[], Any]:
+    if impl == REFERENCE:
+        def run():
+            with torch.inference_mode():
+                return model(tokens, use_cache=True, logits_to_keep=1).logits[:, -1]
+        return run
+
+    def run():
+        with torch.inference_mode():
+            cache = model.new_kv_cache(tokens.shape[0], tokens.shape[1])
+            return model(tokens, 0, cache, last_only=True)[:, -1]
+    return run
+
+
+def _train_workload(impl: str, model, dtype: torch.dtype, s: BenchSettings, x: torch.Tensor, y: torch.Tensor,
+                    compile: bool = False) -> Callable[[], Any]:
+    import torch.nn.functional as F
+
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    forward = torch.compile(model) if compile else model
+    ctx = (lambda: torch.autocast("cpu", dtype=dtype)) if dtype != torch.float32 else None
+
+    def step():
+        with (ctx() if ctx else _null()):
+            logits = forward(x).logits if impl == REFERENCE else forward(x)
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def _time_round_robin(workloads: dict[str, Callable[[], Any]], repeats: int, warmup: int,
+                      log: Callable[[str], None]):
+    """Run every workload ``warmup`` times (the first call's time is kept: it holds compilation), then
+    ``repeats`` rounds A B C ...; returns (wall seconds per run, process CPU seconds per run, first-call seconds,
+    last outputs), each keyed by workload."""
+    first, outputs = {}, {}
+    for name, fn in workloads.items():
+        for i in range(max(warmup, 1)):
+            t0 = time.perf_counter()
+            outputs[name] = fn()
+            if i == 0:
+                first[name] = time.perf_counter() - t0
+    times: dict[str, list[float]] = {name: [] for name in workloads}
+    cpu: dict[str, list[float]] = {name: [] for name in workloads}
+    for r in range(repeats):
+        for name, fn in workloads.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            outputs[name] = fn()
+            times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+        log(f"    round {r + 1}/{repeats}: " + ", ".join(f"{n} {times[n][-1]:.3f}s" for n in workloads))
+    return times, cpu, first, outputs
+
+
+def run_bench(settings: BenchSettings, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)
+              ) -> dict[str, Any]:
+    """Measure everything ``settings`` selects; returns ``{"settings", "machine", "measurements": [...]}``
+    (measurements as dicts with ``value``/``min``/``max`` in tokens/s). Raises ``ValueError`` for bad settings."""
+    from .checkpoint import load_model
+    from .config import preset
+    from .fastpath import FastPath, prepare
+    from .perf import flops_per_token, measure_peak_flops
+    from .transformer import Transformer
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    if settings.cold_compile and settings.compile:
+        # A private, empty cache: the compile times reported are what a first run pays (later runs reuse the
+        # default cache and start in seconds).
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="minigpt-bench-inductor-")
+    use_hf = settings.transformers and transformers_available()
+    if settings.transformers and not use_hf:
+        log("transformers is not installed: MiniGPT columns only (pip install transformers)")
+    settings.transformers = use_hf
+    machine = machine_info()
+    log(f"machine: {machine['cpu']} | {machine['threads']} threads | load average {machine['load_before']}")
+    measurements: list[Measurement] = []
+    gen = torch.Generator().manual_seed(settings.seed)
+    with tempfile.TemporaryDirectory(prefix="minigpt-bench-") as tmp:
+        for name in settings.presets:
+            ckpt, hf_dir = _random_checkpoint(name, settings, Path(tmp))
+            for dtype_name in settings.dtypes:
+                dtype = DTYPES[dtype_name]
+                log(f"== {name} {dtype_name}")
+                for row in settings.rows:
+                    log(f"  -- {row}")
+                    ms = _bench_row(name, dtype_name, dtype, row, ckpt, hf_dir, settings, gen, log)
+                    measurements.extend(ms)
+                    for m in ms:
+                        log(f"    {m.impl}: {m.value:,.1f} tokens/s")
+    machine["load_after"] = _loadavg()
+    out = {"settings": asdict(settings), "machine": machine, "measurements": []}
+    for m in measurements:
+        out["measurements"].append({**asdict(m), "value": m.value, "min": min(m.samples), "max": max(m.samples)})
+    return out
+
+
+def _bench_row(name, dtype_name, dtype, row, ckpt, hf_dir, s: BenchSettings, gen, log) -> list[Measurement]:
+    from .checkpoint import load_model
+    from .fastpath import FastPath, prepare
+    from .perf import flops_per_token, measure_peak_flops
+
+    workloads: dict[str, Callable[[], Any]] = {}
+    info: dict[str, dict[str, Any]] = {}
+    fps: dict[str, FastPath] = {}
+    vocab = s.vocab_size
+    if row.startswith("decode") or row == "prefill":
+        variants = [("minigpt", False, None)]
+        if s.compile:
+            variants.append(("minigpt+compile", True, None))
+        if s.quantize:
+            variants.append((f"minigpt+{s.quantize}", s.compile, s.quantize))
+        for impl, compiled, quant in variants:
+            # Each variant gets its own copy: fusion and quantization rewrite the model in place.
+            fps[impl] = prepare(load_model(ckpt, dtype=dtype), quantize=quant, compile=compiled and row != "prefill",
+                                compile_mode=s.compile_mode)
+        hf_model = _load_hf(hf_dir, dtype) if s.transformers else None
+        if row.startswith("decode"):
+            batch = 1 if row == "decode-b1" else 8
+            prompt = torch.randint(0, vocab, (batch, s.prompt_len), generator=gen)
+            if hf_model is not None:
+                workloads[REFERENCE] = _decode_workload(REFERENCE, hf_model, batch, s, prompt)
+            for impl, fp in fps.items():
+                workloads[impl] = _decode_workload(impl, fp, batch, s, prompt)
+            n_tokens = batch * s.new_tokens
+        else:
+            tokens = torch.randint(0, vocab, (1, s.prefill_len), generator=gen)
+            if hf_model is not None:
+                workloads[REFERENCE] = _prefill_workload(REFERENCE, hf_model, s, tokens)
+            for impl, fp in fps.items():
+                workloads[impl] = _prefill_workload(impl, fp, s, tokens)
+            n_tokens = s.prefill_len
+    else:  # train
+        x = torch.randint(0, vocab, (s.train_batch, s.train_seq + 1), generator=gen)
+        x, y = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+        ours = load_model(ckpt)  # float32 master weights; bf16 = autocast
+        if s.transformers:
+            workloads[REFERENCE] = _train_workload(REFERENCE, _load_hf(hf_dir, torch.float32), dtype, s, x, y)
+        workloads["minigpt"] = _train_workload("minigpt", ours, dtype, s, x, y)
+        if s.compile:
+            workloads["minigpt+compile"] = _train_workload("minigpt", load_model(ckpt), dtype, s, x, y, compile=True)
+        n_tokens = s.train_batch * s.train_seq
+    times, cpu, first, outputs = _time_round_robin(workloads, s.repeats, s.warmup, log)
+
+    result = []
+    config = load_model(ckpt).config if row == "train" else next(iter(fps.values())).config
+    for impl, ts in times.items():
+        # CPU seconds of this process: on a shared machine, a second view that time spent descheduled does not blur.
+        extra: dict[str, Any] = {"seconds": statistics.median(ts), "cpu_seconds": statistics.median(cpu[impl]),
+                                 "first_call_s": first[impl]}
+        samples = [n_tokens / t for t in ts]
+        if row.startswith("decode") and impl in fps:
+            fp = fps[impl]
+            steps_per_s = statistics.median(samples) / (1 if row == "decode-b1" else 8)
+            extra["weight_bytes"] = fp.weight_bytes()
+            extra["gb_per_s"] = fp.weight_bytes() * steps_per_s / 1e9
+            if fp.compiled:
+                extra["compile_s"] = fp.compile_seconds
+        if row.startswith("decode") and impl == REFERENCE and "minigpt" in outputs:
+            extra["same_tokens_as_minigpt"] = bool(torch.equal(outputs[impl].cpu(), outputs["minigpt"].cpu()))
+        if row == "train":
+            from .transformer import Transformer
+
+            n_params = sum(p.numel() for p in load_model(ckpt).parameters())
+            peak = measure_peak_flops("cpu", DTYPES[dtype_name])
+            fpt = flops_per_token(config, n_params, s.train_seq)
+            extra["mfu"] = statistics.median(samples) * fpt / peak
+            extra["peak_gflops"] = peak / 1e9
+            if impl == "minigpt+compile":
+                extra["compile_s"] = first[impl] - statistics.median(ts)
+        result.append(Measurement(name, dtype_name, row, impl, samples, extra))
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ report
+def _loadavg() -> Optional[list[float]]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "capability": torch.backends.cpu.get_cpu_capability(), "python": platform.python_version(),
+            "transformers": _version("transformers"), "load_before": _loadavg()}
+
+
+def _version(pkg: str) -> Optional[str]:
+    try:
+        from importlib.metadata import version
+
+        return version(pkg)
+    except Exception:
+        return None
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The markdown table: one line per (preset, dtype, row), a column per implementation with the median
+    tokens/s [min-max] and the ratio to transformers, then GB/s (decode) or MFU (train) of each MiniGPT variant."""
+    ms = result["measurements"]
+    impls = []
+    for m in ms:
+        if m["impl"] not in impls:
+            impls.append(m["impl"])
+    impls.sort(key=lambda i: (i != REFERENCE, i))
+    ours = [i for i in impls if i != REFERENCE]
+    header = ["model", "dtype", "row"] + [f"{i} tok/s" for i in impls] + [f"{i} / tf" for i in ours
+                                                                         if REFERENCE in impls] + ["notes"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    keys = []
+    for m in ms:
+        k = (m["preset"], m["dtype"], m["row"])
+        if k not in keys:
+            keys.append(k)
+    for k in keys:
+        cell = {m["impl"]: m for m in ms if (m["preset"], m["dtype"], m["row"]) == k}
+        row = list(k)
+        for i in impls:
+            m = cell.get(i)
+            row.append("" if m is None else f"{_fmt(m['value'])} [{_fmt(m['min'])}–{_fmt(m['max'])}]")
+        if REFERENCE in impls:
+            ref = cell.get(REFERENCE)
+            for i in ours:
+                m = cell.get(i)
+                row.append("" if m is None or ref is None else f"**{m['value'] / ref['value']:.2f}×**")
+        notes = []
+        for i in impls:
+            m = cell.get(i)
+            if m is None:
+                continue
+            e = m["extra"]
+            bits = []
+            if "gb_per_s" in e:
+                bits.append(f"{e['gb_per_s']:.1f} GB/s")
+            if "mfu" in e:
+                bits.append(f"MFU {100 * e['mfu']:.1f}%")
+            if "compile_s" in e:
+                bits.append(f"compile {e['compile_s']:.0f}s")
+            if e.get("same_tokens_as_minigpt") is False:
+                bits.append("greedy tokens differ")
+            if bits:
+                notes.append(f"{i}: " + ", ".join(bits))
+        row.append("; ".join(notes))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:,.1f}" if x >= 10 else f"{x:.2f}"
+
+
+# ----------------------------------------------------------------------------------------------- command
+def _split(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--presets", default="tiny,small,medium", help="comma-separated: tiny,small,medium")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32,bfloat16")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated: {','.join(ROWS)}")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per implementation (median reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (compilation happens here)")
+    p.add_argument("--compile", action="store_true", help="add the compiled MiniGPT variant (decode step, training)")
+    p.add_argument("--compile-mode", dest="compile_mode", default=None,
+                   help="torch.compile mode, e.g. max-autotune-no-cudagraphs (default: inductor's default)")
+    p.add_argument("--quantize", choices=["int8"], help="add the int8 weight-only variant (decode, prefill)")
+    p.add_argument("--no-transformers", dest="transformers", action="store_false",
+                   help="MiniGPT only (also automatic when transformers is not installed)")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--prompt-len", dest="prompt_len", type=int, default=32)
+    p.add_argument("--new-tokens", dest="new_tokens", type=int, default=128)
+    p.add_argument("--prefill-len", dest="prefill_len", type=int, default=512)
+    p.add_argument("--train-batch", dest="train_batch", type=int, default=8)
+    p.add_argument("--train-seq", dest="train_seq", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warm-compile-cache", dest="cold_compile", action="store_false",
+                   help="reuse Inductor's on-disk cache (compile times then show cache hits, not first use)")
+    p.add_argument("--json", dest="json_path", metavar="FILE", help="write every measurement as JSON ('-' = stdout)")
+    p.add_argument("--out", metavar="FILE", help="also write the markdown table here")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Benchmark MiniGPT against transformers on identical weights: decode (batch 1 and 8), prefill, training.
+
+    Everything runs in this process, implementations timed round-robin; medians with min-max and ratios. See the
+    module docstring of minigpt.bench for the definitions. A full run (3 presets x 2 dtypes x 4 rows) takes long on
+    a small CPU: select with --presets/--dtypes/--rows/--repeats.
+    """
+    from .errors import MiniGPTError
+
+    try:
+        settings = BenchSettings(
+            presets=_split(args.presets), dtypes=_split(args.dtypes), rows=_split(args.rows), repeats=args.repeats,
+            warmup=args.warmup, compile=args.compile, compile_mode=args.compile_mode, quantize=args.quantize,
+            transformers=args.transformers, threads=args.threads, prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens, prefill_len=args.prefill_len, train_batch=args.train_batch,
+            train_seq=args.train_seq, seed=args.seed, cold_compile=args.cold_compile)
+    except ValueError as e:
+        raise MiniGPTError(str(e)) from None
+    command = "minigpt bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
+    t0 = time.perf_counter()
+    result = run_bench(settings)
+    result["command"] = command
+    result["wall_s"] = time.perf_counter() - t0
+    table = format_table(result)
+    summary = (f"\n{result['machine']['cpu']}, {result['machine']['threads']} threads, torch "
+               f"{result['machine']['torch']}, transformers {result['machine']['transformers']}; load average "
+               f"{result['machine']['load_before']} -> {result['machine']['load_after']}; {result['wall_s']:.0f} s")
+    print(table + "\n" + summary)
+    if args.out:
+        Path(args.out).write_text(table + "\n" + summary + "\n")
+    if args.json_path:
+        text = json.dumps(result, indent=1)
+        if args.json_path == "-":
+            print(text)
+        else:
+            Path(args.json_path).write_text(text + "\n")
+    return 0
+
+
+def add_bench_parser(subparsers) -> argparse._SubParsersAction:
+    """Register ``minigpt bench`` (and its alias ``minigpt bench model``) on the CLI's ``subparsers``; returns the
+    ``bench`` sub-command group so that other benchmarks (``minigpt bench serve``) can add themselves."""
+    doc = cmd_bench.__doc__ or ""
+    p = subparsers.add_parser("bench", help=doc.strip().splitlines()[0], description=doc,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_model_args(p)
+    p.set_defaults(func=cmd_bench)
+    group = p.add_subparsers(dest="bench_command", metavar="{model,serve}")
+    m = group.add_parser("model", help="the model benchmark (the default)", description=doc,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_model_args(m)
+    m.set_defaults(func=cmd_bench)
+    return group

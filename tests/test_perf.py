@@ -1,0 +1,176 @@
+"""The inference fast path computes what the model computes: fused projections leave weights and outputs unchanged,
+cached fast decoding equals the plain forward (fp32 within 1e-5; bf16 within a stated tolerance), batched
+variable-length generation equals one prompt at a time, and int8 weight-only layers match their dequantized
+matrices. Speed is measured by `minigpt bench`, never asserted here."""
+import pytest
+import torch
+
+from minigpt.config import ModelConfig
+from minigpt.fastpath import FastPath, prepare, supports
+from minigpt.generate import generate_batch, generate_tokens
+from minigpt.transformer import Transformer
+
+torch.set_num_threads(1)
+
+VOCAB = 97
+CONFIGS = {
+    "gqa": dict(n_kv_heads=2),
+    "mha-bias-untied": dict(n_kv_heads=4, attention_bias=True, tie_embeddings=False),
+    "mqa-geglu": dict(n_kv_heads=1, ffn="geglu"),
+    "gelu-mlp": dict(n_kv_heads=2, ffn="gelu"),
+    "head_dim-explicit": dict(n_kv_heads=2, head_dim=24),
+    "rope-yarn": dict(n_kv_heads=2, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_seq_len": 16}),
+}
+
+
+def make(seed=0, **kw) -> Transformer:
+    """A small random model whose norms and biases are not the identity (so none of them is a no-op)."""
+    torch.manual_seed(seed)
+    base = dict(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, max_seq_len=64, multiple_of=16)
+    model = Transformer(ModelConfig(**{**base, **kw})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.1 if "norm" in name or name.endswith("bias") else 0.02))
+    return model
+
+
+def cached_pieces(model, tokens: torch.Tensor, attention_mask=None) -> torch.Tensor:
+    """Logits of ``tokens`` computed as prefill (10) + single-token steps + a multi-token chunk, through a cache."""
+    b, t = tokens.shape
+    cache = model.new_kv_cache(b, t)
+    step = model.decode_step if isinstance(model, FastPath) else None
+    mask = (lambda end: None) if attention_mask is None else (lambda end: attention_mask[:, :end])
+    pieces = [model(tokens[:, :10], 0, cache, mask(10))]
+    for i in range(10, 17):
+        x = tokens[:, i:i + 1]
+        pieces.append(step(x, i, cache, mask(i + 1))[:, None] if step else model(x, i, cache, mask(i + 1)))
+    pieces.append(model(tokens[:, 17:], 17, cache, mask(t)))
+    return torch.cat(pieces, dim=1)
+
+
+@pytest.mark.parametrize("case", list(CONFIGS), ids=list(CONFIGS))
+def test_fast_path_equals_plain_forward_fp32(case):
+    model = make(**CONFIGS[case])
+    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.inference_mode():
+        full = model(tokens)
+        fast = FastPath(model)
+        assert fast.fused and fast.reason is None
+        # Fusion re-points the projections at row views of one matrix: same keys, same numbers, no copy.
+        assert list(model.state_dict()) == list(state)
+        assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+        attn = model.layers[0].attention
+        assert attn.wk.weight.untyped_storage().data_ptr() == attn.wq.weight.untyped_storage().data_ptr()
+        torch.testing.assert_close(model(tokens), full, atol=0, rtol=0)  # the model itself is unchanged
+        torch.testing.assert_close(fast(tokens), full, atol=1e-5, rtol=0)
+        torch.testing.assert_close(cached_pieces(fast, tokens), full, atol=1e-5, rtol=0)
+        torch.testing.assert_close(fast(tokens, last_only=True)[:, 0], full[:, -1], atol=1e-5, rtol=0)
+
+
+def test_fast_path_with_padding_mask_equals_plain_forward():
+    model = make(n_kv_heads=2)
+    tokens = torch.randint(0, VOCAB, (3, 30), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(tokens)
+    mask[0, :7], mask[2, :3] = 0, 0  # left padding of different lengths
+    with torch.inference_mode():
+        ref = cached_pieces(model, tokens, mask)
+        fast = cached_pieces(FastPath(model), tokens, mask)
+    real = mask.bool()
+    torch.testing.assert_close(fast[real], ref[real], atol=1e-5, rtol=0)
+
+
+def test_fast_path_bf16_within_tolerance():
+    """bf16 weights and activations: the fast path and the plain bf16 forward round differently (fused GEMMs,
+    another op order), so both are compared with the fp32 logits. Tolerance: 0.05 absolute on logits of magnitude
+    ~1, i.e. a few bf16 ulps (2^-8 relative) accumulated over two layers."""
+    model = make(n_kv_heads=2)
+    tokens = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        ref = model(tokens)
+        plain_bf16 = make(n_kv_heads=2).to(torch.bfloat16)(tokens).float()
+        fast = prepare(make(n_kv_heads=2), dtype=torch.bfloat16)
+        assert fast.dtype == torch.bfloat16
+        out = cached_pieces(fast, tokens).float()
+    plain_err = (plain_bf16 - ref).abs().max().item()
+    fast_err = (out - ref).abs().max().item()
+    assert fast_err < 0.05, fast_err
+    assert fast_err < 3 * plain_err + 1e-3, (fast_err, plain_err)
+
+
+def test_unsupported_architectures_fall_back_to_the_model():
+    model = make(n_kv_heads=2, pos_encoding="alibi")
+    assert supports(model.config) == "pos_encoding=alibi"
+    tokens = torch.randint(0, VOCAB, (1, 12))
+    with torch.inference_mode():
+        fast = FastPath(model)
+        assert not fast.fused
+        torch.testing.assert_close(fast(tokens), model(tokens), atol=0, rtol=0)
+        assert list(generate_tokens(fast, [1, 2, 3], 5)) == list(generate_tokens(model, [1, 2, 3], 5))
+    with pytest.raises(ValueError, match="alibi"):
+        FastPath(model, strict=True)
+
+
+# ------------------------------------------------------------------------------------------------ batching
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13], [4], [20, 21, 22, 23, 24]]
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["plain", "fast"])
+def test_batched_variable_length_greedy_equals_one_by_one(fast):
+    model = make(n_kv_heads=2)
+    gen = FastPath(model) if fast else model
+    budgets = [12, 5, 12, 3]
+    alone = [list(generate_tokens(gen, p, n)) for p, n in zip(PROMPTS, budgets)]
+    results = generate_batch(gen, PROMPTS, budgets)
+    assert [r.tokens for r in results] == alone
+    assert [r.finish_reason for r in results] == ["length"] * 4
+    # Same prompts in another order and batch composition: each row is still computed as if alone.
+    results = generate_batch(gen, PROMPTS[::-1], budgets[::-1])
+    assert [r.tokens for r in results] == alone[::-1]
+
+
+def test_batch_rows_stop_independently_at_stop_ids():
+    model = make(n_kv_heads=2)
+    alone = [list(generate_tokens(model, p, 10)) for p in PROMPTS]
+    stop = alone[1][3]  # row 1 meets this id at step 3; other rows stop at it too if they produce it
+    results = generate_batch(model, PROMPTS, 10, stop_ids=[stop])
+    for r, a in zip(results, alone):
+        if stop in a:
+            assert r.tokens == a[:a.index(stop)] and r.finish_reason == "stop"
+        else:
+            assert r.tokens == a and r.finish_reason == "length"
+
+
+def test_batch_stop_strings_cut_the_text(tiny_tokenizer_model):
+    model, tok = tiny_tokenizer_model
+    prompts = [tok.encode("ROMEO:"), tok.encode("Good morrow, my lord")]
+    alone = [tok.decode(list(generate_tokens(model, p, 20))) for p in prompts]
+    stop = alone[0][2:5]  # a string that row 0 produces
+    results = generate_batch(model, prompts, 20, stop_strings=[stop], tokenizer=tok)
+    assert results[0].finish_reason == "stop" and results[0].text == alone[0][:alone[0].index(stop)]
+    if stop not in alone[1]:
+        assert results[1].text == alone[1] and results[1].finish_reason == "length"
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer_model(tiny_data):
+    from minigpt.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_data)
+    return make(vocab_size=tok.vocab_size, n_kv_heads=2), tok
+
+
+def test_batch_errors_are_clear():
+    from minigpt.errors import MiniGPTError
+
+    model = make()
+    with pytest.raises(MiniGPTError, match="at least one prompt"):
+        generate_batch(model, [], 4)
+    with pytest.raises(MiniGPTError, match="empty"):
+        generate_batch(model, [[1], []], 4)
+    with pytest.raises(MiniGPTError, match="2 entries for 3 prompts"):
+        generate_batch(model, [[1], [2], [3]], [4, 4])
+    with pytest.raises(MiniGPTError, match="tokenizer"):
+        generate_batch(model, [[1]], 4, stop_strings=["x"])
+    with pytest.raises(MiniGPTError, match="context"):
+        generate_batch(model, [[1] * 60, [2]], 10)
