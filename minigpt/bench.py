@@ -108,7 +108,11 @@ def _random_checkpoint(name: str, settings: BenchSettings, root: Path) -> tuple[
     from .transformer import Transformer
 
     torch.manual_seed(settings.seed)
-    model = Transformer(preset(name, vocab_size=settings.vocab_size))
+    # The context must hold the longest workload (`tiny`'s preset context, 256, is shorter than a 512-token
+    # prefill); the weights do not depend on it.
+    context = max(preset(name).max_seq_len, settings.prefill_len, settings.prompt_len + settings.new_tokens,
+                  settings.train_seq)
+    model = Transformer(preset(name, vocab_size=settings.vocab_size, max_seq_len=context))
     ckpt = save_pretrained(model, root / name)
     hf_dir = export_hf(ckpt, root / f"{name}-hf") if settings.transformers else None
     return ckpt, hf_dir
@@ -164,13 +168,23 @@ def _prefill_workload(impl: str, model, s: BenchSettings, tokens: torch.Tensor) 
 
 
 def _train_workload(impl: str, model, dtype: torch.dtype, s: BenchSettings, x: torch.Tensor, y: torch.Tensor,
-                    compile: bool = False) -> Callable[[], Any]:
+                    compile: bool = False, torch_autocast: bool = False) -> Callable[[], Any]:
+    """One AdamW step of ``model``. Mixed precision: ``torch.autocast`` for transformers (and with
+    ``torch_autocast``), else MiniGPT's policy (:func:`minigpt.mixed.autocast`, which emulates bf16 with fp32
+    kernels on CPUs without native bf16)."""
     import torch.nn.functional as F
+
+    from .mixed import autocast
 
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     forward = torch.compile(model) if compile else model
-    ctx = (lambda: torch.autocast("cpu", dtype=dtype)) if dtype != torch.float32 else None
+    if dtype == torch.float32:
+        ctx = None
+    elif impl == REFERENCE or torch_autocast:
+        ctx = lambda: torch.autocast("cpu", dtype=dtype)  # noqa: E731
+    else:
+        ctx = lambda: autocast("cpu", dtype)  # noqa: E731
 
     def step():
         with (ctx() if ctx else _null()):
@@ -262,7 +276,8 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = lambda m: pr
 def _bench_row(name, dtype_name, dtype, row, ckpt, hf_dir, s: BenchSettings, gen, log) -> list[Measurement]:
     from .checkpoint import load_model
     from .fastpath import FastPath, prepare
-    from .perf import flops_per_token, measure_peak_flops
+    from .mixed import compute_dtype
+    from .perf import flops_per_token
 
     workloads: dict[str, Callable[[], Any]] = {}
     info: dict[str, dict[str, Any]] = {}
@@ -303,6 +318,10 @@ def _bench_row(name, dtype_name, dtype, row, ckpt, hf_dir, s: BenchSettings, gen
         workloads["minigpt"] = _train_workload("minigpt", ours, dtype, s, x, y)
         if s.compile:
             workloads["minigpt+compile"] = _train_workload("minigpt", load_model(ckpt), dtype, s, x, y, compile=True)
+        if dtype != torch.float32 and compute_dtype("cpu", dtype) != dtype:
+            # Like for like: MiniGPT under torch.autocast too (the same slow bf16 kernels as transformers here).
+            workloads["minigpt+torch-autocast"] = _train_workload("minigpt", load_model(ckpt), dtype, s, x, y,
+                                                                  torch_autocast=True)
         n_tokens = s.train_batch * s.train_seq
     times, cpu, first, outputs = _time_round_robin(workloads, s.repeats, s.warmup, log)
 
@@ -326,14 +345,43 @@ def _bench_row(name, dtype_name, dtype, row, ckpt, hf_dir, s: BenchSettings, gen
             from .transformer import Transformer
 
             n_params = sum(p.numel() for p in load_model(ckpt).parameters())
-            peak = measure_peak_flops("cpu", DTYPES[dtype_name])
+            # MFU against the measured peak of the arithmetic each implementation runs: fp32 for fp32 and for
+            # MiniGPT's emulated bf16; for torch.autocast bf16, the bf16 GEMM that F.linear reaches.
+            emulated = impl not in (REFERENCE, "minigpt+torch-autocast")
+            gemm_dtype = compute_dtype("cpu", dtype) if emulated else dtype
+            peak = gemm_peak_flops(gemm_dtype)
             fpt = flops_per_token(config, n_params, s.train_seq)
             extra["mfu"] = statistics.median(samples) * fpt / peak
             extra["peak_gflops"] = peak / 1e9
+            extra["gemm_dtype"] = str(gemm_dtype).replace("torch.", "")
             if impl == "minigpt+compile":
                 extra["compile_s"] = first[impl] - statistics.median(ts)
         result.append(Measurement(name, dtype_name, row, impl, samples, extra))
     return result
+
+
+_PEAKS: dict[torch.dtype, float] = {}
+
+
+def gemm_peak_flops(dtype: torch.dtype) -> float:
+    """Measured matmul peak in FLOP/s for ``dtype`` on this CPU and thread count: the larger of
+    :func:`minigpt.perf.measure_peak_flops` (``a @ b``, 1024^2) and ``F.linear`` on 2048 x 1024 x 1024 (the op
+    autocast dispatches; for bf16 without hardware support it is ~10x faster than ``a @ b``)."""
+    import torch.nn.functional as F
+
+    from .perf import measure_peak_flops
+
+    if dtype not in _PEAKS:
+        g = torch.Generator().manual_seed(0)
+        x, w = torch.randn(2048, 1024, generator=g).to(dtype), torch.randn(1024, 1024, generator=g).to(dtype)
+        F.linear(x, w)
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 0.5:
+            F.linear(x, w)
+            n += 1
+        linear = 2.0 * 2048 * 1024 * 1024 * n / (time.perf_counter() - t0)
+        _PEAKS[dtype] = max(linear, measure_peak_flops("cpu", dtype))
+    return _PEAKS[dtype]
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -491,6 +539,152 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------ quantization and speculative
+def _val_tokens(data_dir: str) -> torch.Tensor:
+    from .data import load_split
+
+    return torch.from_numpy(load_split(data_dir, "val").astype("int64"))
+
+
+def _prompts_from(tokens: torch.Tensor, n: int, length: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` tokens evenly spaced over ``tokens`` (deterministic)."""
+    step = max(1, (len(tokens) - length) // n)
+    return [tokens[i * step:i * step + length].tolist() for i in range(n)]
+
+
+@torch.inference_mode()
+def validation_loss(model, tokens: torch.Tensor, seq_len: int, max_windows: Optional[int] = None,
+                    batch: int = 8) -> float:
+    """Mean next-token loss (nats/token) of ``model`` over non-overlapping windows of ``seq_len`` tiling
+    ``tokens`` (every token scored once; at most ``max_windows`` windows, evenly spaced)."""
+    from .data import eval_windows
+    from .transformer import lm_loss
+
+    n = (len(tokens) - 1) // seq_len
+    x, y = eval_windows(tokens.numpy(), seq_len, min(n, max_windows or n))
+    total = 0.0
+    for i in range(0, x.shape[0], batch):
+        total += lm_loss(model(x[i:i + batch]), y[i:i + batch]).item() * y[i:i + batch].numel()
+    return total / y.numel()
+
+
+def quant_report(ckpt: str, data: str, seq_len: int = 256, max_windows: Optional[int] = None, repeats: int = 5,
+                 compile: bool = False, new_tokens: int = 128, log=lambda m: None) -> dict[str, Any]:
+    """int8 weight-only vs float32 on one checkpoint: validation perplexity of both on ``data``'s val split, and
+    greedy decode tokens/s at batch 1 (eager fast path, and compiled with ``compile``), timed round-robin.
+    Returns a dict (perplexities, relative change, tokens/s medians and ranges, weight bytes)."""
+    import math
+
+    from .checkpoint import load_model, resolve_checkpoint
+    from .fastpath import prepare
+    from .generate import generate_batch
+    from .quant import quantize_model
+
+    src = resolve_checkpoint(ckpt)
+    tokens = _val_tokens(data)
+    float_model = load_model(src)
+    int8_model = quantize_model(load_model(src))
+    log("evaluating validation loss (float32, int8)")
+    loss_f = validation_loss(float_model, tokens, seq_len, max_windows)
+    loss_q = validation_loss(int8_model, tokens, seq_len, max_windows)
+    out: dict[str, Any] = {"checkpoint": str(src), "data": data, "seq_len": seq_len,
+                           "val_tokens_scored": ((len(tokens) - 1) // seq_len if not max_windows else
+                                                 min(max_windows, (len(tokens) - 1) // seq_len)) * seq_len,
+                           "ppl_float32": math.exp(loss_f), "ppl_int8": math.exp(loss_q)}
+    out["ppl_relative_change"] = out["ppl_int8"] / out["ppl_float32"] - 1
+    prompt = _prompts_from(tokens, 1, 32)
+    variants = {"float32": prepare(float_model), "int8": prepare(int8_model)}
+    if compile:
+        variants["float32+compile"] = prepare(load_model(src), compile=True)
+        variants["int8+compile"] = prepare(load_model(src), quantize="int8", compile=True)
+    out["weight_bytes"] = {k: v.weight_bytes() for k, v in variants.items()}
+    workloads = {k: (lambda v=v: generate_batch(v, prompt, new_tokens)) for k, v in variants.items()}
+    times, _, first, _ = _time_round_robin(workloads, repeats, 1, log)
+    out["decode_b1_tokens_per_s"] = {k: {"median": new_tokens / statistics.median(t), "min": new_tokens / max(t),
+                                         "max": new_tokens / min(t)} for k, t in times.items()}
+    out["compile_s"] = {k: v.compile_seconds for k, v in variants.items() if v.compiled}
+    return out
+
+
+def speculative_report(target_ckpt: str, draft_ckpt: str, data: str, k: int = 4, n_prompts: int = 8,
+                       prompt_len: int = 32, new_tokens: int = 128, temperature: float = 0.0,
+                       compile: bool = False, log=lambda m: None) -> dict[str, Any]:
+    """Speculative decoding against the target alone on ``n_prompts`` prompts from ``data``'s val split: both
+    timed round-robin per prompt, greedy outputs compared, acceptance counted. Returns a dict (tokens/s of each,
+    speed-up = ratio of total times, acceptance rate, tokens per target forward, identical outputs)."""
+    from .checkpoint import resolve_checkpoint
+    from .fastpath import load_for_inference
+    from .generate import generate_tokens
+    from .speculative import SpeculativeStats, speculative_tokens
+
+    target = load_for_inference(resolve_checkpoint(target_ckpt), compile=compile)
+    draft = load_for_inference(resolve_checkpoint(draft_ckpt), compile=compile)
+    prompts = _prompts_from(_val_tokens(data), n_prompts, prompt_len)
+    stats = SpeculativeStats()
+    t_plain, t_spec, n_plain, n_spec, same = 0.0, 0.0, 0, 0, 0
+    # Warm-up (and compilation) on the first prompt, untimed.
+    list(generate_tokens(target, prompts[0], 8))
+    list(speculative_tokens(target, draft, prompts[0], 8, k))
+    for i, prompt in enumerate(prompts):
+        t0 = time.perf_counter()
+        plain = list(generate_tokens(target, prompt, new_tokens, temperature, seed=i))
+        t1 = time.perf_counter()
+        spec = list(speculative_tokens(target, draft, prompt, new_tokens, k, temperature, seed=i, stats=stats))
+        t2 = time.perf_counter()
+        t_plain, t_spec = t_plain + t1 - t0, t_spec + t2 - t1
+        n_plain, n_spec = n_plain + len(plain), n_spec + len(spec)
+        same += plain == spec
+        log(f"    prompt {i + 1}/{len(prompts)}: plain {len(plain) / (t1 - t0):.1f} tok/s, speculative "
+            f"{len(spec) / (t2 - t1):.1f} tok/s, acceptance so far {stats.acceptance_rate:.1%}")
+    return {"target": target_ckpt, "draft": draft_ckpt, "k": k, "temperature": temperature, "prompts": n_prompts,
+            "new_tokens": new_tokens, "compile": compile, "plain_tokens_per_s": n_plain / t_plain,
+            "speculative_tokens_per_s": n_spec / t_spec, "speedup": (n_spec / t_spec) / (n_plain / t_plain),
+            "acceptance_rate": stats.acceptance_rate, "tokens_per_target_forward": stats.tokens_per_round,
+            "identical_outputs": f"{same}/{len(prompts)}"}
+
+
+def cmd_bench_quant(args: argparse.Namespace) -> int:
+    """int8 weight-only quantization of a trained checkpoint: validation perplexity change and decode speed change.
+
+    Perplexity over the whole validation split of --data (non-overlapping windows of --seq-len), float32 vs int8;
+    decode tokens/s at batch 1 (eager fast path, and compiled with --compile), timed round-robin.
+    """
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    r = quant_report(args.ckpt, args.data, args.seq_len, args.max_windows, args.repeats, args.compile,
+                     log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(f"validation perplexity ({r['val_tokens_scored']:,} tokens): float32 {r['ppl_float32']:.4f}, int8 "
+          f"{r['ppl_int8']:.4f} ({100 * r['ppl_relative_change']:+.3f} %)")
+    base = r["decode_b1_tokens_per_s"]["float32"]["median"]
+    for name, v in r["decode_b1_tokens_per_s"].items():
+        print(f"decode b1 {name}: {v['median']:.1f} tok/s [{v['min']:.1f}-{v['max']:.1f}] ({v['median'] / base:.2f}x "
+              f"float32 eager), weights {r['weight_bytes'][name] / 2**20:.1f} MiB"
+              + (f", compile {r['compile_s'][name]:.0f} s" if name in r["compile_s"] else ""))
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(r, indent=1) + "\n")
+    return 0
+
+
+def cmd_bench_speculative(args: argparse.Namespace) -> int:
+    """Speculative decoding: a draft model proposing for a target, against the target alone.
+
+    Prompts are --prompts windows of --prompt-len tokens from the validation split of --data; each generates
+    --new-tokens tokens with and without the draft (--k proposals per round), greedy unless --temperature.
+    Prints tokens/s of both, the speed-up, the acceptance rate and whether greedy outputs are identical.
+    """
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    r = speculative_report(args.target, args.draft, args.data, args.k, args.prompts, args.prompt_len, args.new_tokens,
+                           args.temperature, args.compile, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(f"target alone {r['plain_tokens_per_s']:.1f} tok/s, speculative (k={r['k']}) "
+          f"{r['speculative_tokens_per_s']:.1f} tok/s: {r['speedup']:.2f}x; acceptance {r['acceptance_rate']:.1%}, "
+          f"{r['tokens_per_target_forward']:.2f} tokens per target forward; identical outputs "
+          f"{r['identical_outputs']}")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(r, indent=1) + "\n")
+    return 0
+
+
 def add_bench_parser(subparsers) -> argparse._SubParsersAction:
     """Register ``minigpt bench`` (and its alias ``minigpt bench model``) on the CLI's ``subparsers``; returns the
     ``bench`` sub-command group so that other benchmarks (``minigpt bench serve``) can add themselves."""
@@ -499,9 +693,32 @@ def add_bench_parser(subparsers) -> argparse._SubParsersAction:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_model_args(p)
     p.set_defaults(func=cmd_bench)
-    group = p.add_subparsers(dest="bench_command", metavar="{model,serve}")
+    group = p.add_subparsers(dest="bench_command", metavar="{model,quant,speculative,serve}")
     m = group.add_parser("model", help="the model benchmark (the default)", description=doc,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_model_args(m)
     m.set_defaults(func=cmd_bench)
+
+    for name, func in (("quant", cmd_bench_quant), ("speculative", cmd_bench_speculative)):
+        d = func.__doc__ or ""
+        q = group.add_parser(name, help=d.strip().splitlines()[0], description=d,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+        q.set_defaults(func=func)
+        if name == "quant":
+            q.add_argument("ckpt", help="a trained checkpoint (run dir or model dir)")
+            q.add_argument("--seq-len", dest="seq_len", type=int, default=256, help="evaluation window (tokens)")
+            q.add_argument("--max-windows", dest="max_windows", type=int, help="cap on windows (default: all)")
+            q.add_argument("--repeats", type=int, default=5)
+        else:
+            q.add_argument("target", help="target checkpoint")
+            q.add_argument("draft", help="draft checkpoint (same tokenizer)")
+            q.add_argument("--k", type=int, default=4, help="draft tokens per round")
+            q.add_argument("--prompts", type=int, default=8)
+            q.add_argument("--prompt-len", dest="prompt_len", type=int, default=32)
+            q.add_argument("--new-tokens", dest="new_tokens", type=int, default=128)
+            q.add_argument("--temperature", type=float, default=0.0)
+        q.add_argument("--data", required=True, help="prepared data directory (its val split is used)")
+        q.add_argument("--compile", action="store_true", help="also / instead run the compiled decode step")
+        q.add_argument("--threads", type=int)
+        q.add_argument("--json", dest="json_path", metavar="FILE")
     return group

@@ -10,19 +10,34 @@ kernels per token:
   once, here, and the model's own parameters are re-pointed to *row slices* of the fused matrix (a row slice of a
   contiguous matrix is itself contiguous), so no weight is stored twice and ``state_dict()`` keeps the checkpoint and
   Hugging Face key layout unchanged. One GEMM instead of three saves two kernel launches per layer, which is most of
-  the cost of a decode step on small models, and feeds the BLAS wider matrices.
+  the cost of a decode step on small models, and feeds the BLAS wider matrices. (Training gains nothing measurable
+  from it on this CPU -- 1 % on a `small` step, GEMM-bound -- so the training path is left unfused.)
 * **One RoPE for q and k**: both are rotated in a single pass over the fused projection output, with
   ``rotate_half(x) == roll(x, head_dim / 2) * [-1 .. -1, 1 .. 1]`` folded into a signed sine table (exact: a sign flip
   and a permutation do not round).
 * **GQA decode** (q_len 1): the ``n_heads`` queries are viewed as ``[batch, n_kv_heads, n_rep, head_dim]``, so the
-  scores of a whole query group against its KV head are one batched matmul and the keys are never repeated
+  scores of a whole query group against its KV head are one product and the keys are never repeated
   (``repeat_interleave`` would copy the cache ``n_rep`` times per step).
 * **Last-position logits only** in prefill (``last_only``): generation needs one row of the ``vocab x dim`` LM head.
-* **Compiled decode step** (``compile=True``): the single-token step over a static-shape cache -- the write position
-  and the per-row padding are tensors, the attention covers the whole cache under a mask -- so one graph serves
-  every step of every generation of the same batch size and cache length (lengths are rounded up to
-  :data:`CACHE_BUCKET` positions to keep the number of graphs small). Inductor fuses the norm, RoPE, softmax and
-  SiLU kernels and emits its own matrix-vector loops; compile time is measured (:attr:`FastPath.compile_seconds`).
+* **float32 activations** whatever the weight dtype (:data:`ACT_DTYPE`): bf16 and int8 are storage formats of the
+  weights, converted as they are read; the KV cache and the residual stream stay float32.
+* **Compiled decode step** (``compile=True``), the one that is fast on a CPU:
+
+  - static shapes: the cache (:class:`LayerKVCache`, one tensor per layer) has a fixed length rounded up to
+    :data:`CACHE_BUCKET`; the write position and the per-row left padding are tensors; each query attends to every
+    column under a mask. One graph serves every step of every generation of a given batch size and cache length.
+  - matrix-vector products written as reductions (:func:`decode_linear`), which Inductor turns into its own
+    vectorised loops: ~2x the bandwidth of MKL's ``gemv`` on one core, bf16 converted in the loop, int8 read from a
+    k-major packed layout (:func:`pack_int8_kmajor`); attention likewise, fused with the mask and the softmax.
+  - each layer is two ``torch.compiler.nested_compile_region``\\ s, compiled once and reused by every layer, and
+    the per-layer caches are separate graph inputs, so compile time does not grow with depth (`small`: ~35 s cold,
+    against ~85 s for the unrolled graph). The graph only reads the cache: it returns each layer's new key and
+    value and :meth:`FastPath.decode_step` writes them (an in-graph write next to these regions corrupted the
+    cache of multi-layer models under torch 2.13).
+  - Dynamo's guards on the weights are dropped (:func:`_guards_on_inputs_only`): a FastPath never rebinds them, and
+    checking ~100 tensors per call cost ~0.3 ms. Each FastPath compiles its own copy of the step's code object.
+
+  Compile time is measured (:attr:`FastPath.compile_seconds`, the first call of each new shape).
 
 Architectures outside the fast path (non-RoPE positions, LayerNorm, post-norm, mixture of experts, dynamic NTK
 RoPE) are run through the model's own ``forward``: :func:`supports` says which.
@@ -508,7 +523,11 @@ class FastPath(nn.Module):
         input_pos = self._buffer(("pos",), 1).fill_(pos)  # reused: no allocation per step
         if not isinstance(kv_cache, LayerKVCache) or kv_cache.batch_size != batch:
             raise ValueError("the compiled decode step needs a cache from FastPath.new_kv_cache of the same batch size")
-        logits = self._step_fn(token, input_pos, pad, kv_cache.k, kv_cache.v)
+        logits, new_k, new_v = self._step_fn(token, input_pos, pad, kv_cache.k, kv_cache.v)
+        # The new column is written here, outside the graph (see _static_step): 2 x n_layers one-column copies.
+        for cache_k, cache_v, k, v in zip(kv_cache.k, kv_cache.v, new_k, new_v):
+            cache_k[:, :, pos:pos + 1].copy_(k)
+            cache_v[:, :, pos:pos + 1].copy_(v)
         if first:
             self._compiled_shapes.add(key)
             self.compile_seconds += time.perf_counter() - t0
@@ -521,29 +540,35 @@ class FastPath(nn.Module):
         return self._buffers_i64[key]
 
     def _static_step(self, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Tensor,
-                     k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> torch.Tensor:
+                     k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]):
         """The traced single-token step: static shapes, the position and the padding as tensors.
 
-        ``k_cache``/``v_cache``: per layer ``[batch, n_kv_heads, T, head_dim]``, written in place at column
-        ``input_pos`` ``[1]``; every query attends to the ``T`` columns under the mask ``pad <= column <= pos``
-        (masked scores are ``-inf`` and contribute exact zeros, so the result equals attending to the prefix)."""
+        ``k_cache``/``v_cache``: per layer ``[batch, n_kv_heads, T, head_dim]``, read only; every query attends to
+        the cached columns ``pad <= column < pos`` (masked scores are ``-inf`` and contribute exact zeros, so the
+        result equals attending to the prefix) and to the new token's own key and value.
+        Returns ``(logits [batch, vocab], new_k, new_v)``, the last two a tuple per layer of
+        ``[batch, n_kv_heads, 1, head_dim]`` for the caller to write at column ``pos``. The graph mutates nothing:
+        with the cache write inside it, the nested compile regions below wrote garbage into the cache for models
+        of more than one layer (torch 2.13; tests/test_compile.py covers it)."""
         batch = token.shape[0]
         nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         columns = torch.arange(k_cache[0].shape[2], device=token.device)
-        key_valid = ((columns[None, :] <= input_pos) & (columns[None, :] >= pad[:, None]))[:, None, None, :]
+        # The cached columns a query sees: the row's own prefix, without the column being written now (its key and
+        # value enter the attention directly, see _step_attention_out_ffn).
+        key_valid = ((columns[None, :] < input_pos) & (columns[None, :] >= pad[:, None]))[:, None, None, :]
         rope_pos = (input_pos - pad)[:, None]  # [batch, 1]
         cos = self.cos[rope_pos][:, :, None, :]
         sin = self.sin_signed[rope_pos][:, :, None, :]
         h = F.embedding(token, self.embedding).to(ACT_DTYPE)
+        new_k, new_v = [], []
         g = self._geometry
         for i, lw in enumerate(self.layers):
             q, k, v = _step_attention_in(h, lw.attn_norm, *_proj_args(lw.wqkv), cos, sin, g, lw.attn_norm_eps)
-            # index_put_ on the cache (gpt-fast's pattern) is lowered to an in-place write of one column.
-            k_cache[i][:, :, input_pos] = k
-            v_cache[i][:, :, input_pos] = v
-            h = _step_attention_out_ffn(h, q, k_cache[i], v_cache[i], key_valid, *_proj_args(lw.wo), lw.ffn_norm,
-                                        *_proj_args(lw.w13), *_proj_args(lw.w2), g, lw.ffn_norm_eps)
-        return decode_linear(self.head, rms_norm(h, self.final_norm, self.final_eps))[:, -1]
+            new_k.append(k)
+            new_v.append(v)
+            h = _step_attention_out_ffn(h, q, k, v, k_cache[i], v_cache[i], key_valid, *_proj_args(lw.wo),
+                                        lw.ffn_norm, *_proj_args(lw.w13), *_proj_args(lw.w2), g, lw.ffn_norm_eps)
+        return decode_linear(self.head, rms_norm(h, self.final_norm, self.final_eps))[:, -1], new_k, new_v
 
 
 def _guards_on_inputs_only(entries) -> list[bool]:
@@ -592,17 +617,24 @@ def _step_attention_in(h, norm_w, w, scale, bias, packed, cos, sin, g: _Geometry
 
 
 @torch.compiler.nested_compile_region
-def _step_attention_out_ffn(h, q, k_cache, v_cache, key_valid, wo, wo_scale, wo_bias, wo_packed, norm_w, w13,
+def _step_attention_out_ffn(h, q, k, v, k_cache, v_cache, key_valid, wo, wo_scale, wo_bias, wo_packed, norm_w, w13,
                             w13_scale, w13_bias, w13_packed, w2, w2_scale, w2_bias, w2_packed, g: _Geometry,
                             eps: float):
-    """Attention of ``q`` over the whole cache under ``key_valid``, output projection, residual, RMSNorm, FFN,
+    """Attention of ``q`` over the cached columns under ``key_valid`` plus the new ``k``/``v``
+    ``[batch, n_kv_heads, 1, head_dim]`` (not yet in the cache), output projection, residual, RMSNorm, FFN,
     residual: ``h`` ``[batch, 1, dim]`` -> ``[batch, 1, dim]``."""
     batch = h.shape[0]
     nh, nkv, hd = g.n_heads, g.n_kv_heads, g.head_dim
-    qg = q.reshape(batch, nkv, nh // nkv, hd) * g.scale
-    scores = torch.matmul(qg, k_cache.transpose(-1, -2)).float().masked_fill(~key_valid, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v_cache.dtype)
-    out = torch.matmul(probs, v_cache).reshape(batch, 1, nh * hd)
+    # Scores and weighted values as broadcast reductions rather than batched matmuls: the products are tiny
+    # ([n_rep, head_dim] x [head_dim, T] per KV head), so a BLAS call costs more in overhead than in arithmetic,
+    # while Inductor fuses them with the mask and the softmax into a couple of loops.
+    qg = q.reshape(batch, nkv, nh // nkv, 1, hd) * g.scale
+    scores = (qg * k_cache[:, :, None, :, :]).sum(-1)  # [batch, n_kv, n_rep, T]
+    scores = scores.masked_fill(~key_valid, float("-inf"))
+    scores = torch.cat([scores, (qg * k[:, :, None, :, :]).sum(-1)], dim=-1)  # the new key last: [..., T + 1]
+    probs = torch.softmax(scores, dim=-1)
+    out = (probs[..., :-1, None] * v_cache[:, :, None, :, :]).sum(-2) + probs[..., -1:] * v[:, :, None, 0, :]
+    out = out.reshape(batch, 1, nh * hd)
     h = h + decode_linear(Proj(wo, wo_scale, wo_bias, wo_packed), out)
     x = rms_norm(h, norm_w, eps)
     if g.ffn in ("swiglu", "geglu"):

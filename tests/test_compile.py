@@ -42,3 +42,51 @@ def test_compiled_decode_step_equals_plain_forward_and_batches():
     assert compiled.compile_seconds > 0
     # Shapes seen: batch 2 (the pieces), batch 3 (the padded batch), batch 1 (alone) -- never one per position.
     assert compiled._compiled_shapes == {(2, CACHE_BUCKET), (3, CACHE_BUCKET), (1, CACHE_BUCKET)}
+
+
+def test_compiled_int8_and_bf16_steps():
+    """int8: the compiled step reads the k-major packed layout (pack_int8_kmajor) and must equal the eager int8 path
+    up to summation order. bf16 weights: the compiled step keeps activations in float32 while the eager step rounds
+    them to bf16 for the BLAS, so both are held to the bf16 tolerance against the fp32 model."""
+    from minigpt.fastpath import pack_int8_kmajor, prepare
+
+    q = torch.randint(-127, 128, (8, 5), dtype=torch.int8)
+    words = pack_int8_kmajor(q).view(torch.int32)
+    unpacked = torch.stack([((words << (24 - 8 * j)) >> 24) for j in range(4)])  # [4, in, out / 4]
+    assert torch.equal(unpacked.permute(0, 2, 1).reshape(8, 5), q.int())
+    assert pack_int8_kmajor(q[:7]) is None
+
+    tokens = torch.randint(0, 61, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ref = make()(tokens)[0, 8:]
+        for kw, tol in ((dict(quantize="int8"), 1e-4), (dict(dtype=torch.bfloat16), 0.05)):
+            outs = []
+            for compiled in (False, True):
+                fast = prepare(make(), compile=compiled, **kw)
+                cache = fast.new_kv_cache(1, 20)
+                fast(tokens[:, :8], 0, cache)
+                outs.append(torch.cat([fast.decode_step(tokens[:, i:i + 1], i, cache) for i in range(8, 20)]))
+            if "quantize" in kw:
+                torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=0)
+                assert (outs[1] - ref).abs().max() < 0.05  # the quantization error itself
+            else:
+                assert (outs[0] - ref).abs().max() < tol and (outs[1] - ref).abs().max() < tol
+
+
+def test_compiled_step_with_several_layers_writes_the_cache_it_reads():
+    """Three layers (the compile regions are reused across layers): compiled steps equal the plain forward, and
+    the cache they leave behind is the one an eager forward continues from (an in-graph cache write once left
+    garbage in the new column for every model of more than one layer)."""
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=61, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=64, multiple_of=16)
+    model = Transformer(config).eval()
+    tokens = torch.randint(0, 61, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        full = model(tokens)
+        compiled = FastPath(model, compile=True)
+        cache = compiled.new_kv_cache(1, 30)
+        pieces = [compiled(tokens[:, :10], 0, cache)]
+        for i in range(10, 14):
+            pieces.append(compiled.decode_step(tokens[:, i:i + 1], i, cache)[:, None])
+        pieces.append(compiled(tokens[:, 14:], 14, cache))  # eager, multi-token, over the compiled steps' columns
+    torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=0)

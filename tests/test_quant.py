@@ -138,3 +138,17 @@ def test_prepare_quantizes_and_fuses():
     assert (out - ref).abs().max() < 0.05 * ref.abs().max()
     with pytest.raises(ValueError, match="int4"):
         prepare(_model(), quantize="int4")
+
+
+def test_quant_report_on_a_checkpoint(tiny_data, tmp_path):
+    """`minigpt bench quant`'s report: perplexity of both, relative change, decode speeds (values not asserted)."""
+    from minigpt.bench import quant_report
+    from minigpt.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_data)
+    ckpt = save_pretrained(_model(vocab_size=tok.vocab_size), tmp_path / "m", tokenizer=tok)
+    r = quant_report(str(ckpt), str(tiny_data), seq_len=32, max_windows=8, repeats=1, new_tokens=4)
+    assert r["val_tokens_scored"] == 8 * 32
+    assert abs(r["ppl_int8"] / r["ppl_float32"] - 1 - r["ppl_relative_change"]) < 1e-12
+    assert set(r["decode_b1_tokens_per_s"]) == {"float32", "int8"}
+    assert r["weight_bytes"]["int8"] < 0.5 * r["weight_bytes"]["float32"]

@@ -139,3 +139,17 @@ def test_speculative_sampling_matches_the_target_end_to_end():
         counts[first] += 1
     stat, df = chi_square(counts, probs)
     assert stat < chi_square_critical(df), (stat, df)
+
+
+def test_speculative_report(tiny_data, tmp_path):
+    """`minigpt bench speculative`'s report on saved checkpoints: greedy outputs identical, counters consistent."""
+    from minigpt.bench import speculative_report
+    from minigpt.checkpoint import save_pretrained
+    from minigpt.tokenizer import Tokenizer
+
+    vocab = Tokenizer.from_dir(tiny_data).vocab_size
+    target = save_pretrained(make(0, vocab=vocab), tmp_path / "t")
+    draft = save_pretrained(make(1, vocab=vocab, n_layers=1, dim=32), tmp_path / "d")
+    r = speculative_report(str(target), str(draft), str(tiny_data), k=3, n_prompts=2, prompt_len=8, new_tokens=10)
+    assert r["identical_outputs"] == "2/2"
+    assert 0 <= r["acceptance_rate"] <= 1 and 1 <= r["tokens_per_target_forward"] <= 4

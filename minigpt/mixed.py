@@ -1,0 +1,129 @@
+"""bf16 mixed precision on CPUs with and without native bf16 arithmetic.
+
+``torch.autocast("cpu", torch.bfloat16)`` runs every linear layer and attention as a bf16 kernel. On CPUs with
+AVX-512-BF16 or AMX that is up to twice as fast as fp32; on the others (AVX2-only CPUs, e.g. this repository's
+2-core AMD EPYC) oneDNN emulates bf16 with scalar-ish code and the same GEMM runs 10-200x slower than fp32
+(``F.linear`` 2048x384x1024: ~6 GFLOP/s bf16 vs ~70 fp32 on one core), so bf16 training is ~3x *slower* than fp32.
+
+:func:`autocast` keeps bf16 numerics but picks the kernels by what the CPU has. Without native bf16 it enters
+:class:`EmulatedBf16`, which computes every ``F.linear`` and ``F.scaled_dot_product_attention`` exactly as a bf16
+kernel with float32 accumulation would -- operands rounded to bf16, products formed and summed in float32, the result
+rounded to bf16 -- but with the fp32 kernels: the product of two bf16 numbers (8-bit significands) is exact in
+float32 (24 bits), so only the summation order differs from a native bf16 GEMM. The backward pass follows
+``torch.autocast``'s semantics too: activation and weight gradients are bf16 products (rounded to bf16, the weight
+gradient then cast to the float32 parameter's dtype). Elementwise ops run on the bf16 tensors they receive, as under
+autocast; the model's norms, softmax and loss upcast to float32 themselves.
+
+What it does not give: bf16's speed-up over fp32 (there is no bf16 hardware to use) or its memory saving on
+weights (fp32 master weights are kept either way; saved activations are bf16 as with autocast). MFU of a run under
+emulation is quoted against the fp32 peak, the arithmetic actually used (:func:`compute_dtype`).
+"""
+from __future__ import annotations
+
+import contextlib
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+BF16 = torch.bfloat16
+
+
+@lru_cache(maxsize=None)
+def native_bf16(device_type: str = "cpu") -> bool:
+    """True when ``device_type`` has fast bf16 matrix kernels: CUDA (Ampere or newer: bf16 tensor cores), MPS, or a
+    CPU whose oneDNN reports bf16 support (AVX-512-BF16 / AMX)."""
+    if device_type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device_type == "cpu":
+        try:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            return False
+    return True
+
+
+def compute_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the matrix arithmetic of :func:`autocast` really runs in: float32 under bf16 emulation, else
+    ``dtype``. MFU is quoted against this dtype's measured peak."""
+    if dtype == BF16 and device_type == "cpu" and not native_bf16("cpu"):
+        return torch.float32
+    return dtype
+
+
+def autocast(device_type: str, dtype: torch.dtype, emulate: bool | None = None):
+    """A mixed-precision context: nothing for float32; for bf16 on a CPU without native bf16 (or ``emulate=True``)
+    :class:`EmulatedBf16`; otherwise ``torch.autocast(device_type, dtype)``."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    if emulate is None:
+        emulate = dtype == BF16 and device_type == "cpu" and not native_bf16("cpu")
+    if emulate:
+        return EmulatedBf16()
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def _bf16_values(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to bf16 (round-to-nearest-even), as float32: exact inputs for an fp32 kernel."""
+    return t.to(BF16).float()
+
+
+class _Bf16Linear(torch.autograd.Function):
+    """``y = x W^T + b`` with bf16 operands, float32 accumulation and a bf16 result, in both directions.
+
+    Shapes: ``x`` ``[..., in]``, ``weight`` ``[out, in]``, ``bias`` ``[out]`` or None -> ``[..., out]`` bf16.
+    Gradients: ``dx = (dy W)`` rounded to bf16 then cast to ``x``'s dtype; ``dW = dy^T x`` and ``db = sum(dy)``
+    rounded to bf16 then cast to the parameters' dtype -- what autocast's bf16 GEMMs and casts produce."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        xb, wb = x.to(BF16), weight.to(BF16)
+        y = F.linear(xb.float(), wb.float(), None if bias is None else _bf16_values(bias))
+        ctx.save_for_backward(xb, wb)  # bf16, as autocast saves them
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y.to(BF16)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xb, wb = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        g = _bf16_values(grad)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ wb.float()).to(BF16).to(x_dtype)
+        if ctx.needs_input_grad[1]:
+            g2, x2 = g.reshape(-1, g.shape[-1]), xb.reshape(-1, xb.shape[-1]).float()
+            grad_w = (g2.t() @ x2).to(BF16).to(w_dtype)
+        if b_dtype is not None and ctx.needs_input_grad[2]:
+            grad_b = g.reshape(-1, g.shape[-1]).sum(0).to(BF16).to(b_dtype)
+        return grad_x, grad_w, grad_b
+
+
+def _bf16_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """SDPA on bf16-rounded ``q``/``k``/``v`` computed in float32, output rounded to bf16 (autograd flows through
+    the casts, so the input gradients are rounded to bf16 as well)."""
+    kw = {"attn_mask": attn_mask, "dropout_p": dropout_p, "is_causal": is_causal, "scale": scale}
+    if enable_gqa:
+        kw["enable_gqa"] = True
+    out = F.scaled_dot_product_attention(_bf16_values(q), _bf16_values(k), _bf16_values(v), **kw)
+    return out.to(BF16)
+
+
+class EmulatedBf16(TorchFunctionMode):
+    """The bf16 autocast policy for linear layers and attention, computed with fp32 kernels (module docstring).
+
+    Only ``F.linear`` and ``F.scaled_dot_product_attention`` are rerouted (they are autocast's bf16 ops that this
+    model uses); every other call runs unchanged. Use as a context manager around the forward pass, like
+    ``torch.autocast``."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if x.is_floating_point() and weight.is_floating_point():
+                return _Bf16Linear.apply(x, weight, bias)
+        elif func is F.scaled_dot_product_attention:
+            return _bf16_sdpa(*args, **kwargs)
+        return func(*args, **kwargs)

@@ -1,0 +1,107 @@
+"""The performance features from the command line: batched prompts, int8 (at load time and saved), speculative
+decoding with a draft model, and a one-row `minigpt bench` smoke run (no timings asserted)."""
+import json
+
+import pytest
+import torch
+
+from conftest import TINY_MODEL, assert_one_line_error, run_cli
+from minigpt.checkpoint import save_pretrained
+from minigpt.config import ModelConfig
+from minigpt.tokenizer import Tokenizer
+from minigpt.transformer import Transformer
+
+
+def _ckpt(tiny_data, root, seed, **kw):
+    torch.manual_seed(seed)
+    tok = Tokenizer.from_dir(tiny_data)
+    model = Transformer(ModelConfig(vocab_size=tok.vocab_size, **{**TINY_MODEL, **kw})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # a peaky distribution, so greedy text is not all one token
+    return save_pretrained(model, root / f"model{seed}", tokenizer=tok)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tiny_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("perf_cli")
+    return _ckpt(tiny_data, root, 0), _ckpt(tiny_data, root, 1, n_layers=1)
+
+
+GREEDY = ("--temperature", "0", "--max-new-tokens", "12")
+
+
+def generate(ckpt, *args):
+    proc = run_cli("generate", ckpt, *GREEDY, *args)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def expected(ckpt, prompt: str, **load) -> str:
+    """What `minigpt generate --temperature 0 --max-new-tokens 12` prints, computed in-process with the plain
+    model forward (subprocesses are slow to start; the comparison is the point)."""
+    from minigpt.checkpoint import load_tokenizer
+    from minigpt.fastpath import load_for_inference
+    from minigpt.generate import generate_tokens
+
+    tok = load_tokenizer(ckpt)
+    model = load_for_inference(ckpt, fast=False, **load)
+    ids = tok.encode(prompt) or [tok.bos_id]
+    stop = [i for i in (tok.eos_id, tok.bos_id) if i is not None]
+    return tok.decode(list(generate_tokens(model, ids, 12, 0.0, stop_ids=stop))) + "\n"
+
+
+def test_batched_prompts_equal_single_runs(ckpts, tmp_path):
+    target, _ = ckpts
+    prompts = ["ROMEO:", "Good morrow, my lord, how fares", "O"]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n\n")
+    out = generate(target, "--prompt-file", tmp_path / "prompts.txt", "--batch", "--jsonl")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["prompt"] for r in rows] == prompts
+    assert [r["completion"] + "\n" for r in rows] == [expected(target, p) for p in prompts]
+    assert all(r["finish_reason"] in ("stop", "length") for r in rows)
+
+
+def test_speculative_generation_equals_plain_greedy(ckpts):
+    target, draft = ckpts
+    proc = run_cli("generate", target, *GREEDY, "--prompt", "ROMEO:", "--draft", draft, "--draft-k", "3", "--stats")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == expected(target, "ROMEO:")
+    assert "speculative:" in proc.stderr and "tokens/s" in proc.stderr
+
+
+def test_quantize_command_and_int8_generation(ckpts, tmp_path):
+    target, _ = ckpts
+    proc = run_cli("quantize", target, tmp_path / "q")
+    assert proc.returncode == 0, proc.stderr
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert config["quantization"]["method"] == "int8_weight_only"
+    from_saved = generate(tmp_path / "q", "--prompt", "ROMEO:")
+    assert from_saved == expected(target, "ROMEO:", quantize="int8") and from_saved.strip()
+
+
+def test_generate_errors(ckpts, tmp_path):
+    target, draft = ckpts
+    assert_one_line_error(run_cli("generate", target, "--prompt", "a", "--prompt", "b", "--draft", draft),
+                          "--draft")
+    (tmp_path / "empty.txt").write_text("\n\n")
+    assert_one_line_error(run_cli("generate", target, "--prompt-file", tmp_path / "empty.txt", "--batch"),
+                          "no non-empty line")
+
+
+def test_bench_smoke(tmp_path):
+    pytest.importorskip("transformers")
+    # The 300-token prefill is longer than the `tiny` preset's 256-token context: bench models must be built longer.
+    proc = run_cli("bench", "--presets", "tiny", "--dtypes", "float32", "--rows", "decode-b1,prefill",
+                   "--repeats", "1", "--warmup", "0", "--new-tokens", "4", "--prompt-len", "4",
+                   "--prefill-len", "300", "--json", tmp_path / "b.json", "--out", tmp_path / "b.md")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "b.json").read_text())
+    cells = {(m["row"], m["impl"]) for m in result["measurements"]}
+    assert cells == {("decode-b1", "transformers"), ("decode-b1", "minigpt"), ("prefill", "transformers"),
+                     ("prefill", "minigpt")}
+    decode = next(m for m in result["measurements"] if m["row"] == "decode-b1" and m["impl"] == "transformers")
+    assert decode["extra"]["same_tokens_as_minigpt"] is True  # identical weights, identical greedy tokens
+    table = (tmp_path / "b.md").read_text()
+    assert "| tiny | float32 | decode-b1 |" in table and "minigpt / tf" in table
+    assert_one_line_error(run_cli("bench", "--presets", "huge"), "huge")
