@@ -380,14 +380,9 @@ def rewrite_report(settings: AblationSettings) -> Path:
 def machine_info(threads: int) -> dict[str, Any]:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from .perf import cpu_name
+
+    cpu = cpu_name()
     return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "torch": torch.__version__,
             "python": platform.python_version(), "load_start": os.getloadavg(),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),

@@ -535,15 +535,20 @@ def _parquet_texts(src: Source) -> Iterator[str]:
                 yield text
 
 
+def _texts_of(src: Source, column) -> Iterator[str]:
+    """The strings of a batch's ``text`` column (None skipped); anything else is a one-line error."""
+    for text in column:
+        if text is None:
+            continue
+        if not isinstance(text, str):
+            raise MiniGPTError(f"{src.name}: column 'text' holds {type(text).__name__}, expected strings")
+        yield text
+
+
 def _dataset_texts(src: Source) -> Iterator[str]:
     ds = src.dataset.select_columns(["text"])
     for batch in ds.iter(batch_size=1000):
-        for text in batch["text"]:
-            if text is None:
-                continue
-            if not isinstance(text, str):
-                raise MiniGPTError(f"{src.name}: column 'text' holds {type(text).__name__}, expected strings")
-            yield text
+        yield from _texts_of(src, batch["text"])
 
 
 def _stream_texts(src: Source) -> Iterator[str]:
@@ -561,12 +566,7 @@ def _stream_texts(src: Source) -> Iterator[str]:
         if "text" not in batch:
             raise MiniGPTError(f"{src.name} has no 'text' column (columns: {', '.join(batch)}); rename the column "
                                f"holding the documents to 'text'")
-        for text in batch["text"]:
-            if text is None:
-                continue
-            if not isinstance(text, str):
-                raise MiniGPTError(f"{src.name}: column 'text' holds {type(text).__name__}, expected strings")
-            yield text
+        yield from _texts_of(src, batch["text"])
 
 
 # ================================================================================================ prepare

@@ -485,19 +485,24 @@ class Engine:
                 self._fail(batch[0], e)
                 return
             # Find the request that breaks the batch: run each alone so the others still start.
-            rows, ok, failed = [], [], []
-            for req in batch:
-                try:
-                    rows.append(self._prefill_forward([req]))
-                    ok.append(req)
-                except Exception as e1:
-                    failed.append((req, e1))
-            for req, e1 in failed:
-                self._fail(req, e1)
-            if not ok:
+            batch, logits = self._one_by_one(batch, lambda i, req: self._prefill_forward([req]))
+            if not batch:
                 return
-            batch, logits = ok, torch.cat(rows)
         self._sample_and_accept(batch, logits)
+
+    def _one_by_one(self, reqs: list[Request], forward) -> tuple[list[Request], Optional[torch.Tensor]]:
+        """Run ``forward(i, req)`` for each request alone after a batched forward failed: the requests that raise
+        are failed, the others go on. Returns the surviving requests and their logits rows concatenated."""
+        rows, ok, failed = [], [], []
+        for i, req in enumerate(reqs):
+            try:
+                rows.append(forward(i, req))
+                ok.append(req)
+            except Exception as e:
+                failed.append((req, e))
+        for req, e in failed:  # after the loop: failing a request changes the running batch the offsets index
+            self._fail(req, e)
+        return ok, (torch.cat(rows) if rows else None)
 
     def _prefill_forward(self, reqs: list[Request]) -> torch.Tensor:
         """Last-position logits ``[len(reqs), vocab]`` after writing the prompts into the requests' slots."""
@@ -530,18 +535,9 @@ class Engine:
             if len(reqs) == 1:
                 self._fail(reqs[0], e)
                 return
-            rows, ok, failed = [], [], []
-            for i, req in enumerate(reqs):
-                try:
-                    rows.append(self._decode_forward(i, [req]))
-                    ok.append(req)
-                except Exception as e1:
-                    failed.append((req, e1))
-            for req, e1 in failed:
-                self._fail(req, e1)
-            if not ok:
+            reqs, logits = self._one_by_one(reqs, lambda i, req: self._decode_forward(i, [req]))
+            if not reqs:
                 return
-            reqs, logits = ok, torch.cat(rows)
         self._sample_and_accept(reqs, logits)
 
     def _decode_forward(self, offset: int, reqs: list[Request]) -> torch.Tensor:

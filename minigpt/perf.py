@@ -74,3 +74,17 @@ def memory_stats(device: torch.device) -> dict[str, float]:
         return {"allocated_mb": torch.cuda.memory_allocated(device) / 2**20,
                 "reserved_mb": torch.cuda.memory_reserved(device) / 2**20}
     return {"rss_mb": rss_bytes() / 2**20}
+
+
+def cpu_name() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` (Linux), else what :mod:`platform` reports."""
+    import platform
+    from pathlib import Path
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
