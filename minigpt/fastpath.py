@@ -29,13 +29,15 @@ kernels per token:
   - matrix-vector products written as reductions (:func:`decode_linear`), which Inductor turns into its own
     vectorised loops: ~2x the bandwidth of MKL's ``gemv`` on one core, bf16 converted in the loop, int8 read from a
     k-major packed layout (:func:`pack_int8_kmajor`); attention likewise, fused with the mask and the softmax.
-  - each layer is two ``torch.compiler.nested_compile_region``\\ s, compiled once and reused by every layer, and
-    the per-layer caches are separate graph inputs, so compile time does not grow with depth (`small`: ~35 s cold,
-    against ~85 s for the unrolled graph). The graph only reads the cache: it returns each layer's new key and
-    value and :meth:`FastPath.decode_step` writes them (an in-graph write next to these regions corrupted the
-    cache of multi-layer models under torch 2.13).
-  - Dynamo's guards on the weights are dropped (:func:`_guards_on_inputs_only`): a FastPath never rebinds them, and
-    checking ~100 tensors per call cost ~0.3 ms. Each FastPath compiles its own copy of the step's code object.
+  - each layer is one ``torch.compiler.nested_compile_region`` (:func:`_step_layer`), compiled once and reused by
+    every layer, and the per-layer caches are separate graph inputs, so compile time does not grow with depth
+    (`small`: ~10 s cold, against ~85 s for the unrolled graph). The graph only reads the cache: it returns each
+    layer's new key and value and :meth:`FastPath.decode_step` writes them (an in-graph write next to these
+    regions corrupted the cache of multi-layer models under torch 2.13).
+  - per-call overhead trimmed: Dynamo's guards on the weights are dropped (:func:`_guards_on_inputs_only`: a
+    FastPath never rebinds them, and checking ~100 tensors per call cost ~0.3 ms), and so are Inductor's
+    per-tensor size asserts; one region per layer rather than two halves the wrapper's Python work. Each FastPath
+    compiles its own copy of the step's code object.
 
   Compile time is measured (:attr:`FastPath.compile_seconds`, the first call of each new shape).
 
@@ -508,7 +510,10 @@ class FastPath(nn.Module):
             pad = self._buffer(("pad", batch), batch)
         key = (batch, kv_cache.max_seq_len)
         if self._step_fn is None:
-            options = {"guard_filter_fn": _guards_on_inputs_only}
+            # size_asserts off: the wrapper would re-check the size and stride of every tensor of every layer on each
+            # call (a third of a `tiny` step); the guards on the step's arguments already pin them, and the
+            # weights never change.
+            options = {"guard_filter_fn": _guards_on_inputs_only, "size_asserts": False}
             if self.compile_mode is not None:  # mode and options are exclusive in torch.compile
                 options.update(torch._inductor.list_mode_options(self.compile_mode))
             # A private copy of the step's code object: Dynamo caches compiled graphs per code object, so every
@@ -554,7 +559,7 @@ class FastPath(nn.Module):
         nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         columns = torch.arange(k_cache[0].shape[2], device=token.device)
         # The cached columns a query sees: the row's own prefix, without the column being written now (its key and
-        # value enter the attention directly, see _step_attention_out_ffn).
+        # value enter the attention directly, see _step_layer).
         key_valid = ((columns[None, :] < input_pos) & (columns[None, :] >= pad[:, None]))[:, None, None, :]
         rope_pos = (input_pos - pad)[:, None]  # [batch, 1]
         cos = self.cos[rope_pos][:, :, None, :]
@@ -563,11 +568,11 @@ class FastPath(nn.Module):
         new_k, new_v = [], []
         g = self._geometry
         for i, lw in enumerate(self.layers):
-            q, k, v = _step_attention_in(h, lw.attn_norm, *_proj_args(lw.wqkv), cos, sin, g, lw.attn_norm_eps)
+            h, k, v = _step_layer(h, k_cache[i], v_cache[i], key_valid, cos, sin, lw.attn_norm,
+                                  *_proj_args(lw.wqkv), *_proj_args(lw.wo), lw.ffn_norm, *_proj_args(lw.w13),
+                                  *_proj_args(lw.w2), g, lw.attn_norm_eps, lw.ffn_norm_eps)
             new_k.append(k)
             new_v.append(v)
-            h = _step_attention_out_ffn(h, q, k, v, k_cache[i], v_cache[i], key_valid, *_proj_args(lw.wo),
-                                        lw.ffn_norm, *_proj_args(lw.w13), *_proj_args(lw.w2), g, lw.ffn_norm_eps)
         return decode_linear(self.head, rms_norm(h, self.final_norm, self.final_eps))[:, -1], new_k, new_v
 
 
@@ -594,37 +599,31 @@ class _Geometry:
     ffn: str
 
 
-# The two halves of a decode layer are nested compile regions: Inductor compiles each once and stamps the code out
-# for every layer, so compile time does not grow with depth (a whole 20-layer step took minutes to compile). The
-# cache write sits between them, outside, because regions must not mutate their inputs.
 def _proj_args(p: Proj) -> tuple:
     """A projection as plain tensor arguments of a compile region (weight, scale, bias, packed)."""
     return p.weight, p.scale, p.bias, p.packed
 
 
+# A decode layer is one nested compile region: Inductor compiles it once and stamps the code out for every layer,
+# so compile time does not grow with depth (a whole 20-layer step took minutes to compile). One region rather than
+# two halves around the cache write: a region call costs Python wrapper time, and the cache is written outside.
 @torch.compiler.nested_compile_region
-def _step_attention_in(h, norm_w, w, scale, bias, packed, cos, sin, g: _Geometry, eps: float):
-    """RMSNorm, fused QKV projection and RoPE of one token per row: ``h`` ``[batch, 1, dim]`` -> ``q``
-    ``[batch, 1, n_heads, head_dim]``, ``k``/``v`` ``[batch, n_kv_heads, 1, head_dim]`` (cache layout)."""
+def _step_layer(h, k_cache, v_cache, key_valid, cos, sin, attn_norm, wqkv, wqkv_scale, wqkv_bias, wqkv_packed,
+                wo, wo_scale, wo_bias, wo_packed, ffn_norm, w13, w13_scale, w13_bias, w13_packed, w2, w2_scale,
+                w2_bias, w2_packed, g: _Geometry, attn_eps: float, ffn_eps: float):
+    """One block for one token per row: ``h`` ``[batch, 1, dim]`` -> ``(h [batch, 1, dim], k, v)``, ``k``/``v``
+    ``[batch, n_kv_heads, 1, head_dim]`` the new token's key and value (cache layout, for the caller to write).
+
+    The query attends to the cached columns under ``key_valid`` plus the new key and value directly."""
     batch = h.shape[0]
     nh, nkv, hd = g.n_heads, g.n_kv_heads, g.head_dim
-    x = rms_norm(h, norm_w, eps)
-    qkv = decode_linear(Proj(w, scale, bias, packed), x).view(batch, 1, nh + 2 * nkv, hd)
+    x = rms_norm(h, attn_norm, attn_eps)
+    qkv = decode_linear(Proj(wqkv, wqkv_scale, wqkv_bias, wqkv_packed), x).view(batch, 1, nh + 2 * nkv, hd)
     qk = qkv[:, :, :nh + nkv]
     qk = qk * cos + torch.roll(qk, hd // 2, dims=-1) * sin
-    # Clones: a region's outputs may not alias each other (they are a few hundred floats).
-    return qk[:, :, :nh].clone(), qk[:, :, nh:].transpose(1, 2).clone(), qkv[:, :, nh + nkv:].transpose(1, 2).clone()
-
-
-@torch.compiler.nested_compile_region
-def _step_attention_out_ffn(h, q, k, v, k_cache, v_cache, key_valid, wo, wo_scale, wo_bias, wo_packed, norm_w, w13,
-                            w13_scale, w13_bias, w13_packed, w2, w2_scale, w2_bias, w2_packed, g: _Geometry,
-                            eps: float):
-    """Attention of ``q`` over the cached columns under ``key_valid`` plus the new ``k``/``v``
-    ``[batch, n_kv_heads, 1, head_dim]`` (not yet in the cache), output projection, residual, RMSNorm, FFN,
-    residual: ``h`` ``[batch, 1, dim]`` -> ``[batch, 1, dim]``."""
-    batch = h.shape[0]
-    nh, nkv, hd = g.n_heads, g.n_kv_heads, g.head_dim
+    q = qk[:, :, :nh]
+    k = qk[:, :, nh:].transpose(1, 2)  # [batch, n_kv_heads, 1, head_dim]
+    v = qkv[:, :, nh + nkv:].transpose(1, 2)
     # Scores and weighted values as broadcast reductions rather than batched matmuls: the products are tiny
     # ([n_rep, head_dim] x [head_dim, T] per KV head), so a BLAS call costs more in overhead than in arithmetic,
     # while Inductor fuses them with the mask and the softmax into a couple of loops.
@@ -636,14 +635,15 @@ def _step_attention_out_ffn(h, q, k, v, k_cache, v_cache, key_valid, wo, wo_scal
     out = (probs[..., :-1, None] * v_cache[:, :, None, :, :]).sum(-2) + probs[..., -1:] * v[:, :, None, 0, :]
     out = out.reshape(batch, 1, nh * hd)
     h = h + decode_linear(Proj(wo, wo_scale, wo_bias, wo_packed), out)
-    x = rms_norm(h, norm_w, eps)
+    x = rms_norm(h, ffn_norm, ffn_eps)
     if g.ffn in ("swiglu", "geglu"):
         gate, up = decode_linear(Proj(w13, w13_scale, w13_bias, w13_packed), x).chunk(2, dim=-1)
         x = (F.silu(gate) if g.ffn == "swiglu" else F.gelu(gate)) * up
     else:
         x = decode_linear(Proj(w13, w13_scale, w13_bias, w13_packed), x)
         x = F.gelu(x) if g.ffn == "gelu" else F.relu(x)
-    return h + decode_linear(Proj(w2, w2_scale, w2_bias, w2_packed), x)
+    # Clones: a region's outputs may not alias each other or its inputs (they are a few hundred floats).
+    return h + decode_linear(Proj(w2, w2_scale, w2_bias, w2_packed), x), k.clone(), v.clone()
 
 
 def prepare(model: Transformer, dtype: Optional[torch.dtype] = None, quantize: Optional[str] = None,

@@ -105,3 +105,32 @@ def test_bench_smoke(tmp_path):
     table = (tmp_path / "b.md").read_text()
     assert "| tiny | float32 | decode-b1 |" in table and "minigpt / tf" in table
     assert_one_line_error(run_cli("bench", "--presets", "huge"), "huge")
+
+
+def test_bench_bf16_rows_are_also_compared_with_transformers_fp32(tmp_path):
+    pytest.importorskip("transformers")
+    proc = run_cli("bench", "--presets", "tiny", "--dtypes", "bfloat16", "--rows", "decode-b1",
+                   "--repeats", "1", "--warmup", "0", "--new-tokens", "4", "--prompt-len", "4",
+                   "--json", tmp_path / "b.json", "--out", tmp_path / "b.md")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert {m["impl"] for m in result["measurements"]} == {"transformers", "transformers-fp32", "minigpt"}
+    assert "minigpt / tf fp32" in (tmp_path / "b.md").read_text()
+
+
+def test_bench_table_ratios():
+    from minigpt.bench import format_table
+
+    def m(dtype, impl, value):
+        return {"preset": "small", "dtype": dtype, "row": "decode-b1", "impl": impl, "value": value,
+                "min": value, "max": value, "extra": {}}
+
+    table = format_table({"measurements": [
+        m("float32", "transformers", 50.0), m("float32", "minigpt", 200.0),
+        m("bfloat16", "transformers", 100.0), m("bfloat16", "transformers-fp32", 40.0),
+        m("bfloat16", "minigpt", 300.0)]})
+    lines = table.splitlines()
+    assert lines[0].split(" | ")[-3:] == ["minigpt / tf", "minigpt / tf fp32", "notes |"]
+    # float32 row: its own transformers column is the fp32 reference; bf16 row: 300/100 and 300/40.
+    assert "| **4.00×** | **4.00×** |" in lines[2]
+    assert "| **3.00×** | **7.50×** |" in lines[3]
