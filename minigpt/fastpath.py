@@ -541,7 +541,10 @@ class FastPath(nn.Module):
     def _buffer(self, key: tuple, size: int) -> torch.Tensor:
         """A persistent zeroed int64 tensor of ``size`` elements per ``key`` (step inputs reused across steps)."""
         if key not in self._buffers_i64:
-            self._buffers_i64[key] = torch.zeros(size, dtype=torch.long, device=self.device)
+            # A normal tensor even when first made under inference_mode (generate runs there): an inference
+            # tensor could not be refilled by a later step outside it.
+            with torch.inference_mode(False):
+                self._buffers_i64[key] = torch.zeros(size, dtype=torch.long, device=self.device)
         return self._buffers_i64[key]
 
     def _static_step(self, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Tensor,

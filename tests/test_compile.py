@@ -90,3 +90,20 @@ def test_compiled_step_with_several_layers_writes_the_cache_it_reads():
             pieces.append(compiled.decode_step(tokens[:, i:i + 1], i, cache)[:, None])
         pieces.append(compiled(tokens[:, 14:], 14, cache))  # eager, multi-token, over the compiled steps' columns
     torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=0)
+
+
+def test_compiled_steps_run_inside_and_outside_inference_mode():
+    """generate_batch runs under inference_mode; the step's reused position buffer, first made there, must still
+    be writable by a later step outside it (an inference tensor is not)."""
+    model = make(n_layers=2)
+    tokens = torch.randint(0, 61, (1, 8), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        full = model(tokens)
+    fast = FastPath(model, compile=True)
+    first = generate_batch(fast, [tokens[0, :4].tolist()], 2)[0].tokens  # creates the buffers in inference_mode
+    assert len(first) == 2
+    cache = fast.new_kv_cache(1, 8)
+    with torch.no_grad():
+        fast(tokens[:, :6], 0, cache)
+        step = fast.decode_step(tokens[:, 6:7], 6, cache)
+    torch.testing.assert_close(step, full[:, 6], atol=1e-5, rtol=0)
