@@ -15,7 +15,9 @@ numbers. Rows:
   cross-entropy, backward, AdamW, ``zero_grad``; ``bfloat16`` means bf16 autocast over float32 weights on both
   sides. tokens/s and MFU = ``tokens/s * FLOPs/token / measured peak of the dtype`` (:mod:`minigpt.perf`).
 
-Implementations (columns): ``transformers`` (eager, its default SDPA attention and dynamic cache), ``minigpt``
+Implementations (columns): ``transformers`` (eager, its default SDPA attention and dynamic cache, in the row's
+dtype; in ``bfloat16`` decode and prefill rows also ``transformers-fp32``, the float32 baseline the performance
+targets are stated against, with a second set of ratio columns ``/ tf fp32``), ``minigpt``
 (:class:`~minigpt.fastpath.FastPath`, eager), ``minigpt+compile`` (the compiled decode step / compiled training
 forward) and ``minigpt+int8`` (weight-only int8, compiled if ``--compile``). Each row times every implementation
 round-robin (A B C A B C ...), after ``--warmup`` untimed runs each, ``--repeats`` times, and reports the median
