@@ -237,12 +237,6 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = lambda m: pr
               ) -> dict[str, Any]:
     """Measure everything ``settings`` selects; returns ``{"settings", "machine", "measurements": [...]}``
     (measurements as dicts with ``value``/``min``/``max`` in tokens/s). Raises ``ValueError`` for bad settings."""
-    from .checkpoint import load_model
-    from .config import preset
-    from .fastpath import FastPath, prepare
-    from .perf import flops_per_token, measure_peak_flops
-    from .transformer import Transformer
-
     if settings.threads:
         torch.set_num_threads(settings.threads)
     if settings.cold_compile and settings.compile:
@@ -280,10 +274,9 @@ def _bench_row(name, dtype_name, dtype, row, ckpt, hf_dir, s: BenchSettings, gen
     from .checkpoint import load_model
     from .fastpath import FastPath, prepare
     from .mixed import compute_dtype
-    from .perf import flops_per_token
+    from .perf import flops_per_token, measure_peak_flops
 
     workloads: dict[str, Callable[[], Any]] = {}
-    info: dict[str, dict[str, Any]] = {}
     fps: dict[str, FastPath] = {}
     vocab = s.vocab_size
     if row.startswith("decode") or row == "prefill":
@@ -335,7 +328,8 @@ def _bench_row(name, dtype_name, dtype, row, ckpt, hf_dir, s: BenchSettings, gen
     times, cpu, first, outputs = _time_round_robin(workloads, s.repeats, s.warmup, log)
 
     result = []
-    config = load_model(ckpt).config if row == "train" else next(iter(fps.values())).config
+    if row == "train":
+        fpt = flops_per_token(ours.config, sum(p.numel() for p in ours.parameters()), s.train_seq)
     for impl, ts in times.items():
         # CPU seconds of this process: on a shared machine, a second view that time spent descheduled does not blur.
         extra: dict[str, Any] = {"seconds": statistics.median(ts), "cpu_seconds": statistics.median(cpu[impl]),
@@ -351,15 +345,11 @@ def _bench_row(name, dtype_name, dtype, row, ckpt, hf_dir, s: BenchSettings, gen
         if row.startswith("decode") and impl == REFERENCE and "minigpt" in outputs:
             extra["same_tokens_as_minigpt"] = bool(torch.equal(outputs[impl].cpu(), outputs["minigpt"].cpu()))
         if row == "train":
-            from .transformer import Transformer
-
-            n_params = sum(p.numel() for p in load_model(ckpt).parameters())
             # MFU against the measured peak of the arithmetic each implementation runs: fp32 for fp32 and for
             # MiniGPT's emulated bf16; for torch.autocast bf16, the bf16 GEMM that F.linear reaches.
             emulated = impl not in (REFERENCE, "minigpt+torch-autocast")
             gemm_dtype = compute_dtype("cpu", dtype) if emulated else dtype
-            peak = gemm_peak_flops(gemm_dtype)
-            fpt = flops_per_token(config, n_params, s.train_seq)
+            peak = measure_peak_flops("cpu", gemm_dtype)
             extra["mfu"] = statistics.median(samples) * fpt / peak
             extra["peak_gflops"] = peak / 1e9
             extra["gemm_dtype"] = str(gemm_dtype).replace("torch.", "")
@@ -367,30 +357,6 @@ def _bench_row(name, dtype_name, dtype, row, ckpt, hf_dir, s: BenchSettings, gen
                 extra["compile_s"] = first[impl] - statistics.median(ts)
         result.append(Measurement(name, dtype_name, row, impl, samples, extra))
     return result
-
-
-_PEAKS: dict[torch.dtype, float] = {}
-
-
-def gemm_peak_flops(dtype: torch.dtype) -> float:
-    """Measured matmul peak in FLOP/s for ``dtype`` on this CPU and thread count: the larger of
-    :func:`minigpt.perf.measure_peak_flops` (``a @ b``, 1024^2) and ``F.linear`` on 2048 x 1024 x 1024 (the op
-    autocast dispatches; for bf16 without hardware support it is ~10x faster than ``a @ b``)."""
-    import torch.nn.functional as F
-
-    from .perf import measure_peak_flops
-
-    if dtype not in _PEAKS:
-        g = torch.Generator().manual_seed(0)
-        x, w = torch.randn(2048, 1024, generator=g).to(dtype), torch.randn(1024, 1024, generator=g).to(dtype)
-        F.linear(x, w)
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < 0.5:
-            F.linear(x, w)
-            n += 1
-        linear = 2.0 * 2048 * 1024 * 1024 * n / (time.perf_counter() - t0)
-        _PEAKS[dtype] = max(linear, measure_peak_flops("cpu", dtype))
-    return _PEAKS[dtype]
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -582,8 +548,6 @@ def quant_report(ckpt: str, data: str, seq_len: int = 256, max_windows: Optional
     """int8 weight-only vs float32 on one checkpoint: validation perplexity of both on ``data``'s val split, and
     greedy decode tokens/s at batch 1 (eager fast path, and compiled with ``compile``), timed round-robin.
     Returns a dict (perplexities, relative change, tokens/s medians and ranges, weight bytes)."""
-    import math
-
     from .checkpoint import load_model, resolve_checkpoint
     from .fastpath import prepare
     from .generate import generate_batch

@@ -558,8 +558,6 @@ class FastPath(nn.Module):
         ``[batch, n_kv_heads, 1, head_dim]`` for the caller to write at column ``pos``. The graph mutates nothing:
         with the cache write inside it, the nested compile regions below wrote garbage into the cache for models
         of more than one layer (torch 2.13; tests/test_compile.py covers it)."""
-        batch = token.shape[0]
-        nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         columns = torch.arange(k_cache[0].shape[2], device=token.device)
         # The cached columns a query sees: the row's own prefix, without the column being written now (its key and
         # value enter the attention directly, see _step_layer).
