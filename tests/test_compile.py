@@ -45,16 +45,19 @@ def test_compiled_decode_step_equals_plain_forward_and_batches():
 
 
 def test_compiled_int8_and_bf16_steps():
-    """int8: the compiled step reads the k-major packed layout (pack_int8_kmajor) and must equal the eager int8 path
+    """int8: the compiled step reads the weights as float32 words (int8_words) and must equal the eager int8 path
     up to summation order. bf16 weights: the compiled step keeps activations in float32 while the eager step rounds
     them to bf16 for the BLAS, so both are held to the bf16 tolerance against the fp32 model."""
-    from minigpt.fastpath import pack_int8_kmajor, prepare
+    from minigpt.fastpath import int8_words, prepare
 
-    q = torch.randint(-127, 128, (8, 5), dtype=torch.int8)
-    words = pack_int8_kmajor(q).view(torch.int32)
-    unpacked = torch.stack([((words << (24 - 8 * j)) >> 24) for j in range(4)])  # [4, in, out / 4]
-    assert torch.equal(unpacked.permute(0, 2, 1).reshape(8, 5), q.int())
-    assert pack_int8_kmajor(q[:7]) is None
+    q = torch.randint(-127, 128, (8, 12), dtype=torch.int8)
+    words = int8_words(q)
+    assert words.dtype == torch.float32 and words.shape == (8, 3) and words.data_ptr() == q.data_ptr()
+    assert words._base is None  # not a view: the compiled step must see float32, not trace back to int8
+    bits = words.view(torch.int32)
+    unpacked = torch.stack([((bits << (24 - 8 * j)) >> 24) for j in range(4)], dim=-1)  # [8, 3, 4]
+    assert torch.equal(unpacked.reshape(8, 12), q.int())
+    assert int8_words(q[:, :7]) is None and int8_words(q.float()) is None
 
     tokens = torch.randint(0, 61, (1, 20), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
@@ -71,6 +74,23 @@ def test_compiled_int8_and_bf16_steps():
                 assert (outs[1] - ref).abs().max() < 0.05  # the quantization error itself
             else:
                 assert (outs[0] - ref).abs().max() < tol and (outs[1] - ref).abs().max() < tol
+
+
+def test_compiled_int8_step_above_the_matrix_vector_batch():
+    """More rows than DECODE_ROWS_MAX: the compiled int8 step unpacks the words into a matrix for one GEMM, and
+    must still equal the eager int8 path row for row."""
+    from minigpt.fastpath import DECODE_ROWS_MAX, prepare
+
+    batch = DECODE_ROWS_MAX + 1
+    tokens = torch.randint(0, 61, (batch, 12), generator=torch.Generator().manual_seed(4))
+    outs = []
+    with torch.inference_mode():
+        for compiled in (False, True):
+            fast = prepare(make(), compile=compiled, quantize="int8")
+            cache = fast.new_kv_cache(batch, 12)
+            fast(tokens[:, :8], 0, cache)
+            outs.append(torch.stack([fast.decode_step(tokens[:, i:i + 1], i, cache) for i in range(8, 12)]))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=0)
 
 
 def test_compiled_step_with_several_layers_writes_the_cache_it_reads():
