@@ -41,7 +41,7 @@ def test_compiled_decode_step_equals_plain_forward_and_batches():
     assert [list(generate_tokens(compiled, p, 10)) for p in prompts] == alone
     assert compiled.compile_seconds > 0
     # Shapes seen: batch 2 (the pieces), batch 3 (the padded batch), batch 1 (alone) -- never one per position.
-    assert compiled._compiled_shapes == {(2, CACHE_BUCKET), (3, CACHE_BUCKET), (1, CACHE_BUCKET)}
+    assert compiled._compiled_shapes == {(2, 1, CACHE_BUCKET), (3, 1, CACHE_BUCKET), (1, 1, CACHE_BUCKET)}
 
 
 def test_compiled_int8_and_bf16_steps():
@@ -127,3 +127,49 @@ def test_compiled_steps_run_inside_and_outside_inference_mode():
         fast(tokens[:, :6], 0, cache)
         step = fast.decode_step(tokens[:, 6:7], 6, cache)
     torch.testing.assert_close(step, full[:, 6], atol=1e-5, rtol=0)
+
+
+def test_compiled_multi_token_step_equals_plain_forward():
+    """decode_tokens: several new tokens per row through the compiled step (a speculative verify), each attending to
+    the cache and to the new tokens up to its own, equals the plain forward; the cache it leaves is the one the
+    following steps read. Three layers, fp32 and int8 (vs the eager int8 path), batch 2 with one left-padded row."""
+    from minigpt.fastpath import prepare
+
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=61, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=64, multiple_of=16)
+    model = Transformer(config).eval()
+    tokens = torch.randint(0, 61, (1, 22), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        full = model(tokens)
+        fast = FastPath(model, compile=True)
+        cache = fast.new_kv_cache(1, 30)
+        pieces = [fast(tokens[:, :10], 0, cache), fast.decode_tokens(tokens[:, 10:15], 10, cache)]
+        pieces.append(fast.decode_step(tokens[:, 15:16], 15, cache)[:, None])
+        pieces.append(fast.decode_tokens(tokens[:, 16:22], 16, cache))
+        torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=0)
+        assert {key[1] for key in fast._compiled_shapes} == {1, 5, 6}
+        try:
+            fast.decode_tokens(tokens[:, :5], cache.max_seq_len - 4, cache)
+        except ValueError as e:
+            assert "do not fit" in str(e)
+        else:
+            raise AssertionError("tokens past the cache must be refused")
+
+    # int8 and left padding: row 0 is padded by 3 columns; compiled multi-token steps equal eager int8 forwards.
+    prompts = torch.randint(1, 61, (2, 12), generator=torch.Generator().manual_seed(6))
+    outs = []
+    with torch.inference_mode():
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            fast = prepare(Transformer(config).eval(), compile=compiled, quantize="int8")
+            cache = fast.new_kv_cache(2, 20)
+            mask = torch.ones(2, 8, dtype=torch.long)
+            mask[0, :3] = 0
+            fast(prompts[:, :8], 0, cache, mask)
+            if compiled:
+                pad = torch.tensor([3, 0])
+                outs.append(fast.decode_tokens(prompts[:, 8:12], 8, cache, pad))
+            else:
+                mask = torch.cat([mask, torch.ones(2, 4, dtype=torch.long)], 1)
+                outs.append(fast(prompts[:, 8:12], 8, cache, mask))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=0)

@@ -60,6 +60,18 @@ def test_speculative_greedy_equals_plain_greedy(k, fast):
     assert 0 <= stats.accepted <= stats.proposed and stats.rounds > 0
 
 
+def test_speculative_greedy_with_compiled_models_equals_plain_greedy():
+    """Both models compiled: the verify and the draft's catch-up go through the compiled multi-token step
+    (FastPath.decode_tokens), and greedy output still equals the target's own greedy output."""
+    target, draft = FastPath(make(0), compile=True), FastPath(make(1, n_layers=1, dim=32), compile=True)
+    plain = make(0)
+    stats = SpeculativeStats()
+    for prompt in ([1, 2, 3], list(range(10, 30))):
+        expected = list(generate_tokens(plain, prompt, 24))
+        assert list(speculative_tokens(target, draft, prompt, 24, k=3, stats=stats)) == expected
+    assert any(key[1] == 4 for key in target._compiled_shapes)  # the k + 1 = 4-token verify ran compiled
+
+
 def test_a_perfect_draft_is_always_accepted():
     target = make(0)
     stats = SpeculativeStats()
