@@ -39,7 +39,6 @@ kernels per token:
     FastPath never rebinds them, and checking ~100 tensors per call cost ~0.3 ms), and so are Inductor's
     per-tensor size asserts; one region per layer rather than two halves the wrapper's Python work. Each FastPath
     compiles its own copy of the step's code object.
-
   - a few tokens per row at once (:meth:`FastPath.decode_tokens`, e.g. the k + 1 tokens a speculative verify
     scores): the same step with ``seq`` new tokens, each attending to the cache and, causally, to the new ones; up
     to :data:`DECODE_ROWS_MAX` rows in all the weights are still read once (a 5-token `small` step: 7.1 ms against
@@ -232,9 +231,8 @@ def decode_linear(p, x: torch.Tensor) -> torch.Tensor:
     product itself: one fused, vectorised C++ loop that reads each weight once (converting bf16 or int8 on the fly)
     and needs no BLAS call. A BLAS ``gemv`` through ``mm`` reads fp32 at ~9 GB/s on one core here, the generated
     loop at ~17 GB/s, and bf16 weights halve the bytes. Up to :data:`DECODE_ROWS_MAX` rows (``batch * seq``) the
-    per-row reductions
-    share one loop over the weights (Inductor fuses reductions of the same shape), so a batch of 8 still reads each
-    weight once. The accumulation is float32 whatever the weight dtype.
+    per-row reductions share one loop over the weights (Inductor fuses reductions of the same shape), so a batch
+    of 8 still reads each weight once. The accumulation is float32 whatever the weight dtype.
     """
     if isinstance(p, list):
         return torch.cat([decode_linear(q, x) for q in p], dim=-1)

@@ -149,6 +149,15 @@ def decode_step(model, token: torch.Tensor, pos: int, cache, attention_mask: Opt
     return model(token, pos, cache, attention_mask)[:, -1]
 
 
+def decode_tokens(model, tokens: torch.Tensor, pos: int, cache) -> torch.Tensor:
+    """Logits ``[batch, seq, vocab]`` after feeding ``tokens`` ``[batch, seq]`` (a few, e.g. the k + 1 tokens of a
+    speculative verify) at cache columns ``pos ..``; a compiled fast path runs them through its compiled step (see
+    :meth:`FastPath.decode_tokens`), other models through their forward."""
+    if hasattr(model, "decode_tokens"):
+        return model.decode_tokens(tokens, pos, cache)
+    return model(tokens, pos, cache)
+
+
 @dataclass
 class Completion:
     """One row of :func:`generate_batch`: the generated ``tokens`` (a stop id excluded; the token completing a stop

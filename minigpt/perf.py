@@ -41,25 +41,19 @@ def flops_per_token(config: ModelConfig, n_params: int, seq_len: int) -> float:
 def measure_peak_flops(device_type: str, dtype: torch.dtype, size: int = 1024, seconds: float = 0.3) -> float:
     """Measured dense matmul throughput on this device, in FLOP/s: the better of ``a @ b`` (``size x size``) and
     ``F.linear`` on ``2 size x size`` by ``size x size`` -- the op a model's projections (and autocast) dispatch,
-    which for bf16 on a CPU without bf16 hardware is ~10x faster than ``a @ b``. Memoised per (device, dtype).
+    which for bf16 on a CPU without bf16 hardware is ~10x faster than ``a @ b``. Memoised (lru_cache) per arguments.
 
     MFU is quoted against this measured peak rather than a datasheet figure, because a shared 2-core VM's real
     ceiling is what bounds us (and bf16 without hardware support can be 100x slower than fp32).
     """
-    key = (device_type, dtype, size)
-    if key not in _PEAKS:
-        # A private generator: drawing from the global one would shift a resumed run's dropout masks.
-        g = torch.Generator().manual_seed(0)
-        a = torch.randn(size, size, generator=g).to(device_type, dtype)
-        b = torch.randn(size, size, generator=g).to(device_type, dtype)
-        x = torch.randn(2 * size, size, generator=g).to(device_type, dtype)
-        matmul = 2.0 * size**3 * _calls_per_second(lambda: a @ b, device_type, seconds)
-        linear = 2.0 * 2 * size**3 * _calls_per_second(lambda: F.linear(x, b), device_type, seconds)
-        _PEAKS[key] = max(matmul, linear)
-    return _PEAKS[key]
-
-
-_PEAKS: dict[tuple, float] = {}
+    # A private generator: drawing from the global one would shift a resumed run's dropout masks.
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=g).to(device_type, dtype)
+    b = torch.randn(size, size, generator=g).to(device_type, dtype)
+    x = torch.randn(2 * size, size, generator=g).to(device_type, dtype)
+    matmul = 2.0 * size**3 * _calls_per_second(lambda: a @ b, device_type, seconds)
+    linear = 2.0 * 2 * size**3 * _calls_per_second(lambda: F.linear(x, b), device_type, seconds)
+    return max(matmul, linear)
 
 
 def _calls_per_second(fn, device_type: str, seconds: float) -> float:

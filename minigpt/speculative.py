@@ -24,7 +24,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from .errors import MiniGPTError
-from .generate import check_length, decode_step, make_generator, model_device, prefill, sampling_probs
+from .generate import (check_length, decode_step, decode_tokens, make_generator, model_device, prefill,
+                       sampling_probs)
 
 
 @dataclass
@@ -86,15 +87,6 @@ def greedy_accept(p_logits: torch.Tensor, draft: torch.Tensor) -> tuple[int, int
 
 
 @torch.inference_mode()
-def _forward_tokens(model, tokens: torch.Tensor, pos: int, cache) -> torch.Tensor:
-    """Logits ``[1, seq, vocab]`` of ``tokens`` ``[1, seq]`` written at cache column ``pos``: through the compiled
-    multi-token step of a compiled :class:`~minigpt.fastpath.FastPath` (the verify of k + 1 tokens then reads the
-    weights once, like a single decode step), else through the model's forward."""
-    if getattr(model, "compiled", False):
-        return model.decode_tokens(tokens, pos, cache)
-    return model(tokens, pos, cache)
-
-
 def speculative_tokens(
     target,
     draft,
@@ -145,7 +137,7 @@ def speculative_tokens(
         # 1. Draft k proposals. d_logits are the draft's logits after seq[:d_len]; first catch up on what it missed.
         if d_len < len(seq):
             pending = torch.tensor([seq[d_len:]], device=device)
-            d_logits = _forward_tokens(draft, pending, d_len, d_cache)[:, -1]
+            d_logits = decode_tokens(draft, pending, d_len, d_cache)[:, -1]
             d_len = len(seq)
         proposals, q_rows = [], []
         for i in range(k):
@@ -161,7 +153,7 @@ def speculative_tokens(
         draft_tokens = torch.cat(proposals)  # [k], on the device: no sync while drafting
         # 2. The target scores seq[-1] and the k proposals in one forward.
         t_in = torch.cat([torch.tensor([seq[-1]], device=device), draft_tokens]).view(1, k + 1)
-        t_logits = _forward_tokens(target, t_in, len(seq) - 1, t_cache)[0]  # [k + 1, vocab]
+        t_logits = decode_tokens(target, t_in, len(seq) - 1, t_cache)[0]  # [k + 1, vocab]
         # 3. Accept / reject.
         if greedy:
             n, nxt = greedy_accept(t_logits, draft_tokens)

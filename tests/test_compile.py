@@ -11,6 +11,10 @@ from minigpt.transformer import Transformer
 torch.set_num_threads(1)
 
 
+# Several layers: the compile regions are reused across layers, and each layer's cache is a separate input.
+THREE_LAYERS = ModelConfig(vocab_size=61, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=64, multiple_of=16)
+
+
 def make(seed=0, **kw) -> Transformer:
     torch.manual_seed(seed)
     base = dict(vocab_size=61, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=96, multiple_of=16)
@@ -98,7 +102,7 @@ def test_compiled_step_with_several_layers_writes_the_cache_it_reads():
     the cache they leave behind is the one an eager forward continues from (an in-graph cache write once left
     garbage in the new column for every model of more than one layer)."""
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=61, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=64, multiple_of=16)
+    config = THREE_LAYERS
     model = Transformer(config).eval()
     tokens = torch.randint(0, 61, (1, 20), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
@@ -136,7 +140,7 @@ def test_compiled_multi_token_step_equals_plain_forward():
     from minigpt.fastpath import prepare
 
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=61, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=64, multiple_of=16)
+    config = THREE_LAYERS
     model = Transformer(config).eval()
     tokens = torch.randint(0, 61, (1, 22), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():

@@ -72,6 +72,17 @@ def test_speculative_greedy_with_compiled_models_equals_plain_greedy():
     assert any(key[1] == 4 for key in target._compiled_shapes)  # the k + 1 = 4-token verify ran compiled
 
 
+def test_speculative_decoding_runs_without_autograd():
+    """Every forward of both models runs under inference_mode (no autograd graph over the verify and draft steps)."""
+    target, draft = make(0), make(1, n_layers=1, dim=32)
+    modes = []
+    for model in (target, draft):
+        forward = model.forward
+        model.forward = lambda *a, _f=forward, **kw: (modes.append(torch.is_inference_mode_enabled()), _f(*a, **kw))[1]
+    list(speculative_tokens(target, draft, [1, 2, 3], 12, k=3))
+    assert modes and all(modes)
+
+
 def test_a_perfect_draft_is_always_accepted():
     target = make(0)
     stats = SpeculativeStats()
