@@ -191,7 +191,7 @@ def bench_serve(source: Optional[str] = None, preset: str = "small", url: Option
     With ``repeats`` > 1 each level is measured that many times (sequential and concurrent alternating) and the
     table shows medians of tokens/s and of the TTFT percentiles.
     """
-    from .data import BUNDLED
+    from .sources import BUNDLED
 
     corpus = BUNDLED["shakespeare"].path.read_text(encoding="utf-8")
     n_max = max(clients) * rounds

@@ -44,7 +44,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def cmd_tokenizer_train(args: argparse.Namespace) -> int:
     """Train a byte-level BPE tokenizer (special tokens <|endoftext|>, <|pad|>) on text files; writes tokenizer.json."""
-    from .data import iter_documents, resolve_source
+    from .sources import iter_documents, resolve_source
     from .tokenizer import train_tokenizer
 
     def texts():

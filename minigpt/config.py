@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -205,11 +205,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         """Build from a dict; unknown keys raise ``ValueError`` listing them (typos must not pass silently)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown ModelConfig field(s) {unknown}; valid fields: {sorted(known)}")
-        return cls(**d)
+        return dataclass_from_dict(cls, d, "ModelConfig field")
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -230,6 +226,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_seq_len=4096, tie_embeddings=False,
     ),
 }
+
+
+def dataclass_from_dict(cls, d: dict[str, Any], what: str):
+    """``cls(**d)`` for a dataclass ``cls``, but keys that are not fields raise ``ValueError`` naming them and the
+    valid ones (``what`` names a key in the message, e.g. ``"training option"``)."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"unknown {what}(s) {unknown}; valid: {sorted(known)}")
+    return cls(**d)
 
 
 def preset(name: str, **overrides: Any) -> ModelConfig:

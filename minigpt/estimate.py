@@ -250,11 +250,11 @@ def format_report(est: dict[str, Any]) -> str:
         f"  attention / ffn / norms / untied head: {p['attention']:,} / {p['ffn']:,} / {p['norms']:,} / "
         f"{p['lm_head']:,}",
         "",
-        f"FLOPs per token (6N + 12*L*H*hd*T: Kaplan et al. 2020, PaLM app. B; N = active parameters)",
+        "FLOPs per token (6N + 12*L*H*hd*T: Kaplan et al. 2020, PaLM app. B; N = active parameters)",
         f"  training  (T = {f['train_seq_len']}): {f['training_per_token']:.4g}",
         f"  inference (2N + 4*L*H*hd*ctx, ctx = {f['context']}): {f['inference_per_token']:.4g}",
         "",
-        f"KV cache (2 * n_layers * n_kv_heads * head_dim * bytes; int8 without scales)",
+        "KV cache (2 * n_layers * n_kv_heads * head_dim * bytes; int8 without scales)",
     ]
     display = {"float32": "fp32", "bfloat16": "bf16/fp16", "int8": "int8"}
     for name, per_token in kv["per_token"].items():

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Union
 
-from minigpt.errors import MiniGPTError
+from minigpt.errors import MiniGPTError, one_line
 
 PathLike = Union[str, Path]
 
@@ -126,7 +126,7 @@ class Tokenizer:
         try:
             hf = HFTokenizer.from_file(str(path))
         except Exception as e:  # the Rust side raises a bare Exception with a serde message
-            raise MiniGPTError(f"cannot read tokenizer {path}: {_one_line(e)}") from e
+            raise MiniGPTError(f"cannot read tokenizer {path}: {one_line(e)}") from e
         return cls(hf=hf)
 
     @classmethod
@@ -153,7 +153,7 @@ class Tokenizer:
         try:
             sp.LoadFromSerializedProto(proto)
         except Exception as e:
-            raise MiniGPTError(f"cannot read sentencepiece model {path}: {_one_line(e)}") from e
+            raise MiniGPTError(f"cannot read sentencepiece model {path}: {one_line(e)}") from e
         return cls(sp=sp, sp_proto=proto)
 
     def save(self, path: PathLike) -> Path:
@@ -331,6 +331,3 @@ def _nonneg_or_none(i: int) -> Optional[int]:
     # sentencepiece reports a disabled special token as -1.
     return i if i >= 0 else None
 
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__

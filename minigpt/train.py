@@ -31,7 +31,7 @@ import torch
 from . import data as data_mod
 from . import distributed as dist_mod
 from . import train_state
-from .config import preset
+from .config import dataclass_from_dict, preset
 from .errors import MiniGPTError
 from .train_state import rng_state, set_rng_state
 from .perf import flops_per_token, measure_peak_flops, memory_stats
@@ -99,11 +99,8 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown training option(s) {unknown}; valid: {sorted(known)}")
-        return cls(**d)
+        """Build from a dict; unknown keys raise ``ValueError`` listing them."""
+        return dataclass_from_dict(cls, d, "training option")
 
 
 def pick_device(name: str) -> torch.device:

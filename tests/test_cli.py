@@ -1,5 +1,4 @@
 """The command line: one clear `error: ...` line and exit status 1 for each user mistake; generation end to end."""
-import json
 
 import pytest
 import torch

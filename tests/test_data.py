@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from minigpt import data
-from minigpt.data import (BUNDLED, BatchSampler, bits_per_byte, eval_windows, iter_documents, iter_pieces, load_meta,
-                          load_split, prepare, resolve_source)
+from minigpt import sources
+from minigpt.data import BatchSampler, bits_per_byte, eval_windows, load_meta, load_split, prepare
+from minigpt.sources import BUNDLED, iter_documents, iter_pieces, resolve_source
 from minigpt.errors import MiniGPTError
 from minigpt.tokenizer import Tokenizer, train_tokenizer
 
@@ -164,7 +164,7 @@ def test_bundled_corpora_resolve():
     shakespeare, poems = resolve_source("shakespeare"), resolve_source("tang-poems")
     assert shakespeare.kind == "text" and shakespeare.doc_sep is None and shakespeare.path.is_file()
     assert poems.doc_sep == "\n\n" and poems.path.is_file()
-    assert (data.CORPORA_DIR / "LICENSES.md").is_file()
+    assert (sources.CORPORA_DIR / "LICENSES.md").is_file()
     first = next(iter_documents("tang-poems"))
     assert first.startswith("帝京篇十首 一\n太宗皇帝\n") and "\n\n" not in first
 

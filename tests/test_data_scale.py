@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from conftest import CLI_ENV, run_cli
-from minigpt import data
-from minigpt.data import BUNDLED, load_split, parse_size, prepare
+from minigpt import data, sources
+from minigpt.data import load_split, parse_size, prepare
 from minigpt.errors import MiniGPTError
+from minigpt.sources import BUNDLED
 from minigpt.tokenizer import Tokenizer, train_tokenizer
 
 VOCAB = 320
@@ -279,7 +280,7 @@ def _decoded_docs(out_dir: Path) -> list:
 
 def test_hf_streaming_local_dataset(local_hf_dataset, tmp_path, small_tok):
     d, docs = local_hf_dataset
-    src = data.resolve_source(f"hf:{d}")
+    src = sources.resolve_source(f"hf:{d}")
     assert src.kind == "hf_stream" and type(src.dataset).__name__ == "IterableDataset"
     meta = prepare(f"hf:{d}", tmp_path / "out", tokenizer=small_tok)
     assert meta["source"] == f"hf:{d}"
@@ -295,21 +296,21 @@ def test_hf_streaming_errors(local_hf_dataset, tmp_path, monkeypatch):
 
     d, _ = local_hf_dataset
     with pytest.raises(MiniGPTError, match="split 'test'"):
-        data.resolve_source(f"hf:{d}::test")
+        sources.resolve_source(f"hf:{d}::test")
     with pytest.raises(MiniGPTError, match="expected hf:NAME"):
-        data.resolve_source("hf:")
+        sources.resolve_source("hf:")
     nocol = tmp_path / "nocol"
     nocol.mkdir()
     datasets.Dataset.from_dict({"body": ["a", "b"]}).to_parquet(str(nocol / "train.parquet"))
     with pytest.raises(MiniGPTError, match="no 'text' column \\(columns: body\\)"):
-        data.resolve_source(f"hf:{nocol}")
+        sources.resolve_source(f"hf:{nocol}")
 
     def offline(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'someone/corpus' on the Hub (OfflineModeIsEnabled)")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(MiniGPTError, match="need network access.*OfflineModeIsEnabled"):
-        data.resolve_source("hf:someone/corpus:en")
+        sources.resolve_source("hf:someone/corpus:en")
 
 
 def test_cli_hf_streaming(local_hf_dataset, tmp_path, small_tok):

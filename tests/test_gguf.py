@@ -24,7 +24,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from minigpt.data import BUNDLED
+    from minigpt.sources import BUNDLED
     from minigpt.tokenizer import train_tokenizer
 
     return train_tokenizer([BUNDLED["shakespeare"].path.read_text(encoding="utf-8")[:20000]], 300)

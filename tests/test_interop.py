@@ -170,7 +170,7 @@ def test_attention_mask_extends_to_the_kv_cache():
 
 # ------------------------------------------------------------------------------------------------ HF directories
 def _tokenizer():
-    from minigpt.data import BUNDLED
+    from minigpt.sources import BUNDLED
     from minigpt.tokenizer import train_tokenizer
 
     return train_tokenizer([BUNDLED["shakespeare"].path.read_text(encoding="utf-8")[:20000]], 300)

@@ -3,7 +3,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from minigpt.attention import Attention, causal_mask
 from minigpt.config import PRESETS, ModelConfig, preset, swiglu_hidden_dim

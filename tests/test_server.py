@@ -172,7 +172,7 @@ def test_32_concurrent_greedy_requests_each_equal_their_single_output(server, re
 
 
 def _corpus_lines():
-    from minigpt.data import BUNDLED
+    from minigpt.sources import BUNDLED
 
     return BUNDLED["shakespeare"].path.read_text(encoding="utf-8")[100_000:110_000].splitlines()
 
