@@ -97,6 +97,25 @@ def test_compiled_int8_step_above_the_matrix_vector_batch():
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=0)
 
 
+def test_compiled_int8_step_on_widths_without_a_word_view():
+    """An input width that is not a multiple of 4 (``dim`` 30) has no float32-word view (``int8_words`` is None):
+    those projections fall back to converting int8 rows in the loop, the others (``w2``, input width 64) still read
+    words, and the compiled step must equal the eager int8 path."""
+    from minigpt.fastpath import prepare
+
+    tokens = torch.randint(0, 61, (2, 14), generator=torch.Generator().manual_seed(5))
+    outs = []
+    with torch.inference_mode():
+        for compiled in (False, True):
+            fast = prepare(make(dim=30, n_heads=3, n_kv_heads=1), compile=compiled, quantize="int8")
+            cache = fast.new_kv_cache(2, 14)
+            fast(tokens[:, :8], 0, cache)
+            outs.append(torch.stack([fast.decode_step(tokens[:, i:i + 1], i, cache) for i in range(8, 14)]))
+    layer = fast.layers[0]
+    assert layer.wqkv.words is None and layer.w13.words is None and layer.w2.words is not None
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=0)
+
+
 def test_compiled_step_with_several_layers_writes_the_cache_it_reads():
     """Three layers (the compile regions are reused across layers): compiled steps equal the plain forward, and
     the cache they leave behind is the one an eager forward continues from (an in-graph cache write once left
