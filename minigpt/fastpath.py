@@ -10,15 +10,19 @@ kernels per token:
   once, here, and the model's own parameters are re-pointed to *row slices* of the fused matrix (a row slice of a
   contiguous matrix is itself contiguous), so no weight is stored twice and ``state_dict()`` keeps the checkpoint and
   Hugging Face key layout unchanged. One GEMM instead of three saves two kernel launches per layer, which is most of
-  the cost of a decode step on small models, and feeds the BLAS wider matrices. (Training gains nothing measurable
-  from it on this CPU -- 1 % on a `small` step, GEMM-bound -- so the training path is left unfused.)
+  the cost of a decode step on small models, and feeds the BLAS wider matrices. (Training gains nothing consistent
+  from it on this CPU -- 0.89-1.03x a step in `scripts/train_fusion_ab.py` runs, GEMM-bound -- so the training path
+  is left unfused.)
 * **One RoPE for q and k**: both are rotated in a single pass over the fused projection output, with
   ``rotate_half(x) == roll(x, head_dim / 2) * [-1 .. -1, 1 .. 1]`` folded into a signed sine table (exact: a sign flip
   and a permutation do not round).
 * **GQA decode** (q_len 1): the ``n_heads`` queries are viewed as ``[batch, n_kv_heads, n_rep, head_dim]``, so the
   scores of a whole query group against its KV head are one product and the keys are never repeated
   (``repeat_interleave`` would copy the cache ``n_rep`` times per step).
-* **Last-position logits only** in prefill (``last_only``): generation needs one row of the ``vocab x dim`` LM head.
+* **Last position only** in prefill (``last_only``): generation needs the logits of one position, so the LM head
+  gets one row, and so does most of the last layer: it still projects every position's key and value (the cache
+  needs them), but its attention, output projection and FFN run for the last query alone. Exact, not an
+  approximation: no other position's output of the last layer reaches those logits.
 * **float32 activations** whatever the weight dtype (:data:`ACT_DTYPE`): bf16 and int8 are storage formats of the
   weights, converted as they are read; the KV cache and the residual stream stay float32.
 * **Compiled decode step** (``compile=True``), the one that is fast on a CPU:
@@ -461,13 +465,16 @@ class FastPath(nn.Module):
             mask = causal_mask(seq_len, end, tokens.device)
 
         h = F.embedding(tokens, self.embedding).to(ACT_DTYPE)
+        last_layer = len(self.layers) - 1
         for i, lw in enumerate(self.layers):
-            h = self._block(i, lw, h, cos, sin, start_pos, end, kv_cache, mask, key_valid)
-        if last_only:
-            h = h[:, -1:]
+            h = self._block(i, lw, h, cos, sin, start_pos, end, kv_cache, mask, key_valid,
+                            last_only=last_only and i == last_layer)
         return self.head(rms_norm(h, self.final_norm, self.final_eps))
 
-    def _block(self, i, lw: LayerWeights, h, cos, sin, start_pos, end, kv_cache, mask, key_valid):
+    def _block(self, i, lw: LayerWeights, h, cos, sin, start_pos, end, kv_cache, mask, key_valid,
+               last_only: bool = False):
+        """One block over ``h`` ``[batch, seq_len, dim]``; with ``last_only`` it still writes every position's key
+        and value to the cache but returns the last position alone, ``[batch, 1, dim]``."""
         batch, seq_len, _ = h.shape
         nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         x = rms_norm(h, lw.attn_norm, lw.attn_norm_eps)
@@ -480,7 +487,13 @@ class FastPath(nn.Module):
             if start_pos:
                 raise ValueError("start_pos > 0 needs a kv_cache holding the earlier positions")
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
-        if seq_len == 1:
+        if last_only and seq_len > 1:
+            # The last query sees every key, so the causal mask reduces to its last row (all True without padding).
+            q, h, seq_len = q[:, -1:], h[:, -1:], 1
+            mask = None if mask is None else mask[..., -1:, :]
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                                 enable_gqa=self.n_rep > 1).transpose(1, 2)
+        elif seq_len == 1:
             out = self._attend_one(q, keys, values, key_valid)
         else:
             out = F.scaled_dot_product_attention(

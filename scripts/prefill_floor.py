@@ -2,9 +2,11 @@
 
 * ``transformers``: `LlamaForCausalLM` fp32 eager prefill (last logits only), as in `minigpt bench`;
 * ``minigpt``: the fast-path prefill, as in `minigpt bench`;
-* ``linears`` and ``attention`` (their sum is the ``floor``): only the work no implementation can skip: the model's matrix products at their exact shapes
-  (`F.linear` on the fused QKV, output, fused gate/up and down weights, 12 layers, plus the last-token head) and
-  the causal SDPA kernel at its exact shape. Nothing else (norms, RoPE, SiLU, residual adds, cache writes).
+* ``linears`` and ``attention`` (their sum is the ``floor``): only the work no implementation can skip: the model's
+  matrix products at their exact shapes (`F.linear` on the fused QKV, output, fused gate/up and down weights;
+  in the last layer only the key/value rows for every position and the rest for the last one, as the fast path
+  does, plus the last-token head) and the causal SDPA kernel at its exact shape. Nothing else (norms, RoPE, SiLU,
+  residual adds, cache writes).
 
 The performance issue asks for minigpt >= 1.5x transformers; the script prints the time that target allows next to
 the floor. Run from the repo root: ``.venv/bin/python scripts/prefill_floor.py [--preset small] [--repeats 15]``.
@@ -31,27 +33,37 @@ def floor_workloads(fp, n_tokens: int):
     q = torch.randn(1, c.n_heads, n_tokens, c.head_dim)
     kv = torch.randn(1, c.n_kv_heads, n_tokens, c.head_dim)
     weights = [(lw.wqkv.weight, lw.wo.weight, lw.w13.weight, lw.w2.weight) for lw in fp.layers]
+    *full, (last_qkv, last_wo, last_w13, last_w2) = weights
+    last_kv = last_qkv[c.n_heads * c.head_dim:]
 
     def linears():
         with torch.inference_mode():
-            for wqkv, wo, w13, w2 in weights:
+            for wqkv, wo, w13, w2 in full:
                 F.linear(x, wqkv)
                 F.linear(x, wo)
                 F.linear(x, w13)
                 F.linear(h, w2)
+            F.linear(x, last_kv)  # the last layer: every key and value, the rest for the last position only
+            F.linear(x[-1:], last_qkv[:c.n_heads * c.head_dim])
+            F.linear(x[-1:], last_wo)
+            F.linear(x[-1:], last_w13)
+            F.linear(h[-1:], last_w2)
             F.linear(x[-1:], fp.head.weight)
 
     def attention():
         with torch.inference_mode():
-            for _ in weights:
+            for _ in full:
                 F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+            F.scaled_dot_product_attention(q[:, :, -1:], kv, kv, enable_gqa=True)
     return linears, attention
 
 
 def linear_flops(fp, n_tokens: int) -> float:
     c = fp.config
     per_token = 2 * c.dim * ((c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim + 3 * c.hidden_dim)
-    return c.n_layers * per_token * n_tokens + 2 * c.dim * c.vocab_size
+    kv = 2 * c.dim * 2 * c.n_kv_heads * c.head_dim
+    last_layer = kv * n_tokens + per_token - kv
+    return (c.n_layers - 1) * per_token * n_tokens + last_layer + 2 * c.dim * c.vocab_size
 
 
 def main() -> None:

@@ -80,6 +80,30 @@ def test_fast_path_with_padding_mask_equals_plain_forward():
     torch.testing.assert_close(fast[real], ref[real], atol=1e-5, rtol=0)
 
 
+def test_last_only_prefill_still_caches_every_key_and_value():
+    """``last_only`` runs the last layer's attention, output projection and FFN for the last position alone, but the
+    cache must still receive every position's keys and values: prefill chunks with ``last_only`` (from position 0,
+    and at ``start_pos > 0``, plain and left-padded) give the last logits of the plain forward, and the decode steps
+    after them continue exactly as after a full prefill."""
+    model = make(n_kv_heads=2)
+    tokens = torch.randint(0, VOCAB, (3, 30), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(tokens)
+    mask[0, :7], mask[2, :3] = 0, 0
+    with torch.inference_mode():
+        for attention_mask in (None, mask):
+            ref = cached_pieces(model, tokens, attention_mask)
+            fast = FastPath(model)
+            cache = fast.new_kv_cache(3, 30)
+            until = (lambda end: None) if attention_mask is None else (lambda end: attention_mask[:, :end])
+            first = fast(tokens[:, :12], 0, cache, until(12), last_only=True)
+            second = fast(tokens[:, 12:20], 12, cache, until(20), last_only=True)
+            steps = [fast.decode_step(tokens[:, i:i + 1], i, cache, until(i + 1)) for i in range(20, 30)]
+            assert first.shape == second.shape == (3, 1, VOCAB)
+            torch.testing.assert_close(first[:, 0], ref[:, 11], atol=1e-5, rtol=0)
+            torch.testing.assert_close(second[:, 0], ref[:, 19], atol=1e-5, rtol=0)
+            torch.testing.assert_close(torch.stack(steps, 1), ref[:, 20:], atol=1e-5, rtol=0)
+
+
 def test_fast_path_bf16_within_tolerance():
     """bf16 weights and activations: the fast path and the plain bf16 forward round differently (fused GEMMs,
     another op order), so both are compared with the fp32 logits. Tolerance: 0.05 absolute on logits of magnitude
