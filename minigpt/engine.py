@@ -36,7 +36,8 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from .errors import MiniGPTError
-from .generate import sample
+from .fastpath import FastPath
+from .generate import model_device, sample
 from .kv_cache import KVCache
 from .metrics import ServingMetrics
 from .tokenizer import StreamDecoder, Tokenizer
@@ -205,7 +206,9 @@ class Engine:
     """A continuous-batching generation engine around one :class:`Transformer` (see the module docstring).
 
     Args:
-        model: the model, in eval mode; its device and dtype are used as they are.
+        model: the model, in eval mode; its device and dtype are used as they are. A :class:`Transformer` is
+            wrapped in an (uncompiled) :class:`~minigpt.fastpath.FastPath`, which fuses its projections in place;
+            activations and the cache are then float32 whatever the weight dtype.
         tokenizer: decodes text for streaming and stop strings (None: events carry token ids only, ``stop`` is
             ignored).
         max_batch_size: KV-cache slots, i.e. requests decoded together.
@@ -222,8 +225,8 @@ class Engine:
     Memory: ``2 * n_layers * max_batch_size * n_kv_heads * max_seq_len * head_dim`` cache elements.
     """
 
-    def __init__(self, model: Transformer, tokenizer: Optional[Tokenizer] = None, *, max_batch_size: int = 16,
-                 max_batch_tokens: Optional[int] = None, max_queue: int = 256,
+    def __init__(self, model: Transformer | FastPath, tokenizer: Optional[Tokenizer] = None, *,
+                 max_batch_size: int = 16, max_batch_tokens: Optional[int] = None, max_queue: int = 256,
                  max_prefill_tokens: Optional[int] = None, stop_ids: Optional[Sequence[int]] = None,
                  metrics: Optional[ServingMetrics] = None) -> None:
         if max_batch_size < 1:
@@ -231,7 +234,9 @@ class Engine:
         if max_queue < 0:
             raise MiniGPTError(f"max_queue must be at least 0, got {max_queue}")
         c = model.config
-        self.model = model
+        # The fast path's eager forward computes what the model computes (fp32 logits within 1e-5, tested) with
+        # fused projections and a GQA single-query attention; architectures it does not cover run the model itself.
+        self.model = FastPath(model) if isinstance(model, Transformer) else model
         self.tokenizer = tokenizer
         self.max_seq_len = c.max_seq_len
         self.max_batch_size = max_batch_size
@@ -248,9 +253,9 @@ class Engine:
                 stop_ids.append(tokenizer.bos_id)  # llama2.c models mark a new story with BOS
         self.stop_ids = frozenset(int(i) for i in stop_ids)
         self.pad_id = 0
-        weight = model.tok_embeddings.weight
-        self.device = weight.device
-        self.cache = SlotKVCache(c.n_layers, max_batch_size, c.n_kv_heads, c.max_seq_len, c.head_dim, weight.dtype,
+        self.device = model_device(self.model)
+        cache_dtype = self.model.act_dtype if isinstance(self.model, FastPath) else model.tok_embeddings.weight.dtype
+        self.cache = SlotKVCache(c.n_layers, max_batch_size, c.n_kv_heads, c.max_seq_len, c.head_dim, cache_dtype,
                                  self.device)
         self.metrics = metrics or ServingMetrics()
         self.metrics.slots_total.set(max_batch_size)

@@ -403,14 +403,17 @@ class FastPath(nn.Module):
         if length > self.config.max_seq_len:
             raise ValueError(f"cache length {length} exceeds the model's max_seq_len {self.config.max_seq_len}")
         if self.reason is not None:
-            return self.model.new_kv_cache(batch_size, length, dtype or self._act_dtype())
+            return self.model.new_kv_cache(batch_size, length, dtype or self.act_dtype)
         if self.compiled:
             length = min(self.config.max_seq_len, -(-length // CACHE_BUCKET) * CACHE_BUCKET)
         c = self.config
-        return LayerKVCache(c.n_layers, batch_size, c.n_kv_heads, length, c.head_dim, dtype or self._act_dtype(),
+        return LayerKVCache(c.n_layers, batch_size, c.n_kv_heads, length, c.head_dim, dtype or self.act_dtype,
                             self.device)
 
-    def _act_dtype(self) -> torch.dtype:
+    @property
+    def act_dtype(self) -> torch.dtype:
+        """The dtype of the activations and of the KV cache: float32 (:data:`ACT_DTYPE`) on the fast path, the
+        weights' own dtype for models it hands back to their ``forward``."""
         return ACT_DTYPE if self.reason is None else self.dtype
 
     # ------------------------------------------------------------------------------------------------ forward

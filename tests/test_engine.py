@@ -8,6 +8,7 @@ from torch import nn
 from conftest import TINY_MODEL
 from minigpt.config import ModelConfig
 from minigpt.engine import Engine, EngineClosed, InvalidRequest, QueueFull, SamplingParams, SlotKVCache
+from minigpt.fastpath import FastPath
 from minigpt.generate import generate_tokens
 from minigpt.tokenizer import Tokenizer, train_tokenizer
 from minigpt.transformer import Transformer, positions_from_mask
@@ -50,6 +51,21 @@ def test_batched_greedy_equals_each_prompt_alone(n_kv_heads):
         assert events[-1].finish_reason == "length" and events[-1].completion_tokens == n
     sizes, _, count = engine.metrics.batch_size.snapshot()
     assert count > 0 and sizes[0][1] < count, "some decode steps must have run more than one row"
+
+
+def test_engine_runs_a_transformer_through_the_fast_path():
+    """The engine wraps a Transformer in the eager fast path (fused projections); with bf16 weights its slot cache
+    is float32, the fast path's activation dtype (a bf16 cache would meet float32 queries in the attention)."""
+    engine = Engine(tiny_model(), max_batch_size=2, stop_ids=[])
+    assert isinstance(engine.model, FastPath) and engine.model.fused
+    bf16 = Engine(tiny_model().to(torch.bfloat16), max_batch_size=2, stop_ids=[])
+    assert bf16.model.dtype == torch.bfloat16 and bf16.cache.k.dtype == torch.float32
+    prompts = random_prompts(2, seed=3)
+    reqs = [bf16.submit(p, SamplingParams(max_tokens=6, temperature=0)) for p in prompts]
+    bf16.run_until_idle()
+    for req in reqs:
+        events = drain(req)
+        assert events[-1].finish_reason == "length" and len(tokens_of(events)) == 6
 
 
 # Architecture variants (another module's config fields): each must batch exactly as it runs alone. A variant this
@@ -200,7 +216,7 @@ def test_streamed_text_never_splits_a_multibyte_character():
 
 
 def test_one_failing_request_does_not_hurt_the_others(tokenizer):
-    model = tiny_model()
+    model = FastPath(tiny_model())  # the model the engine runs, so that the patched forward is the one it calls
     poison = 77
     real_forward = model.forward
 
@@ -230,7 +246,7 @@ def test_one_failing_request_does_not_hurt_the_others(tokenizer):
 
 
 def test_a_failing_decode_step_is_retried_row_by_row():
-    model = tiny_model()
+    model = FastPath(tiny_model())  # the model the engine runs, so that the patched forward is the one it calls
     real_forward = model.forward
     calls = {"n": 0}
 
