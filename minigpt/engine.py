@@ -208,7 +208,8 @@ class Engine:
     Args:
         model: the model, in eval mode; its device and dtype are used as they are. A :class:`Transformer` is
             wrapped in an (uncompiled) :class:`~minigpt.fastpath.FastPath`, which fuses its projections in place;
-            activations and the cache are then float32 whatever the weight dtype.
+            for the architectures the fast path covers, activations and the cache are float32 whatever the weight
+            dtype.
         tokenizer: decodes text for streaming and stop strings (None: events carry token ids only, ``stop`` is
             ignored).
         max_batch_size: KV-cache slots, i.e. requests decoded together.
