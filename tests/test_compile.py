@@ -25,6 +25,33 @@ def make(seed=0, **kw) -> Transformer:
     return model
 
 
+def eager_and_compiled_int8_steps(build, tokens: torch.Tensor, prefill: int):
+    """Logits of the decode steps after a ``prefill``-token prompt, ``[steps, batch, vocab]``, from the eager and the
+    compiled int8 fast path of the model ``build()`` returns; also the compiled FastPath."""
+    from minigpt.fastpath import prepare
+
+    outs = []
+    with torch.inference_mode():
+        for compiled in (False, True):
+            fast = prepare(build(), compile=compiled, quantize="int8")
+            cache = fast.new_kv_cache(tokens.shape[0], tokens.shape[1])
+            fast(tokens[:, :prefill], 0, cache)
+            outs.append(torch.stack([fast.decode_step(tokens[:, i:i + 1], i, cache)
+                                     for i in range(prefill, tokens.shape[1])]))
+    return outs, fast
+
+
+def three_layers_compiled(tokens: torch.Tensor):
+    """The seeded THREE_LAYERS model's plain-forward logits of ``tokens``, its compiled FastPath and a 30-column
+    cache of that FastPath."""
+    torch.manual_seed(0)
+    model = Transformer(THREE_LAYERS).eval()
+    with torch.inference_mode():
+        full = model(tokens)
+    fast = FastPath(model, compile=True)
+    return full, fast, fast.new_kv_cache(tokens.shape[0], 30)
+
+
 def test_compiled_decode_step_equals_plain_forward_and_batches():
     model = make()
     prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4]]
@@ -83,17 +110,10 @@ def test_compiled_int8_and_bf16_steps():
 def test_compiled_int8_step_above_the_matrix_vector_batch():
     """More rows than DECODE_ROWS_MAX: the compiled int8 step unpacks the words into a matrix for one GEMM, and
     must still equal the eager int8 path row for row."""
-    from minigpt.fastpath import DECODE_ROWS_MAX, prepare
+    from minigpt.fastpath import DECODE_ROWS_MAX
 
-    batch = DECODE_ROWS_MAX + 1
-    tokens = torch.randint(0, 61, (batch, 12), generator=torch.Generator().manual_seed(4))
-    outs = []
-    with torch.inference_mode():
-        for compiled in (False, True):
-            fast = prepare(make(), compile=compiled, quantize="int8")
-            cache = fast.new_kv_cache(batch, 12)
-            fast(tokens[:, :8], 0, cache)
-            outs.append(torch.stack([fast.decode_step(tokens[:, i:i + 1], i, cache) for i in range(8, 12)]))
+    tokens = torch.randint(0, 61, (DECODE_ROWS_MAX + 1, 12), generator=torch.Generator().manual_seed(4))
+    outs, _ = eager_and_compiled_int8_steps(make, tokens, prefill=8)
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=0)
 
 
@@ -101,16 +121,8 @@ def test_compiled_int8_step_on_widths_without_a_word_view():
     """An input width that is not a multiple of 4 (``dim`` 30) has no float32-word view (``int8_words`` is None):
     those projections fall back to converting int8 rows in the loop, the others (``w2``, input width 64) still read
     words, and the compiled step must equal the eager int8 path."""
-    from minigpt.fastpath import prepare
-
     tokens = torch.randint(0, 61, (2, 14), generator=torch.Generator().manual_seed(5))
-    outs = []
-    with torch.inference_mode():
-        for compiled in (False, True):
-            fast = prepare(make(dim=30, n_heads=3, n_kv_heads=1), compile=compiled, quantize="int8")
-            cache = fast.new_kv_cache(2, 14)
-            fast(tokens[:, :8], 0, cache)
-            outs.append(torch.stack([fast.decode_step(tokens[:, i:i + 1], i, cache) for i in range(8, 14)]))
+    outs, fast = eager_and_compiled_int8_steps(lambda: make(dim=30, n_heads=3, n_kv_heads=1), tokens, prefill=8)
     layer = fast.layers[0]
     assert layer.wqkv.words is None and layer.w13.words is None and layer.w2.words is not None
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=0)
@@ -120,14 +132,9 @@ def test_compiled_step_with_several_layers_writes_the_cache_it_reads():
     """Three layers (the compile regions are reused across layers): compiled steps equal the plain forward, and
     the cache they leave behind is the one an eager forward continues from (an in-graph cache write once left
     garbage in the new column for every model of more than one layer)."""
-    torch.manual_seed(0)
-    config = THREE_LAYERS
-    model = Transformer(config).eval()
     tokens = torch.randint(0, 61, (1, 20), generator=torch.Generator().manual_seed(2))
+    full, compiled, cache = three_layers_compiled(tokens)
     with torch.inference_mode():
-        full = model(tokens)
-        compiled = FastPath(model, compile=True)
-        cache = compiled.new_kv_cache(1, 30)
         pieces = [compiled(tokens[:, :10], 0, cache)]
         for i in range(10, 14):
             pieces.append(compiled.decode_step(tokens[:, i:i + 1], i, cache)[:, None])
@@ -158,14 +165,9 @@ def test_compiled_multi_token_step_equals_plain_forward():
     following steps read. Three layers, fp32 and int8 (vs the eager int8 path), batch 2 with one left-padded row."""
     from minigpt.fastpath import prepare
 
-    torch.manual_seed(0)
-    config = THREE_LAYERS
-    model = Transformer(config).eval()
     tokens = torch.randint(0, 61, (1, 22), generator=torch.Generator().manual_seed(5))
+    full, fast, cache = three_layers_compiled(tokens)
     with torch.inference_mode():
-        full = model(tokens)
-        fast = FastPath(model, compile=True)
-        cache = fast.new_kv_cache(1, 30)
         pieces = [fast(tokens[:, :10], 0, cache), fast.decode_tokens(tokens[:, 10:15], 10, cache)]
         pieces.append(fast.decode_step(tokens[:, 15:16], 15, cache)[:, None])
         pieces.append(fast.decode_tokens(tokens[:, 16:22], 16, cache))
@@ -184,7 +186,7 @@ def test_compiled_multi_token_step_equals_plain_forward():
     with torch.inference_mode():
         for compiled in (False, True):
             torch.manual_seed(0)
-            fast = prepare(Transformer(config).eval(), compile=compiled, quantize="int8")
+            fast = prepare(Transformer(THREE_LAYERS).eval(), compile=compiled, quantize="int8")
             cache = fast.new_kv_cache(2, 20)
             mask = torch.ones(2, 8, dtype=torch.long)
             mask[0, :3] = 0
