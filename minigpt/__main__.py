@@ -1,6 +1,6 @@
 """``python -m minigpt`` (and ``torchrun -m minigpt``) runs the CLI."""
 import sys
 
-from .cli import main
+from minigpt.cli import main
 
 sys.exit(main())

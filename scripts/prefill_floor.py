@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from minigpt.bench import REFERENCE, BenchSettings, _load_hf, _prefill_workload, _random_checkpoint
-from minigpt.checkpoint import load_model
-from minigpt.fastpath import prepare
+from minigpt.analysis.bench.infer import REFERENCE, BenchSettings, _load_hf, _prefill_workload, _random_checkpoint
+from minigpt.checkpoint.native import load_model
+from minigpt.infer.fastpath import prepare
 
 
 def floor_workloads(fp, n_tokens: int):

@@ -3,7 +3,9 @@
 Paper estimates only: per-GPU memory from the estimator's accounting, throughput = 8 GPUs x 989 TFLOP/s (H100 SXM
 dense bf16, NVIDIA datasheet) x an assumed MFU / training FLOPs per token.
 """
-import json, subprocess
+import json
+import subprocess
+
 specs = {
  "medium (vocab 32,000)": "--preset medium --set vocab_size=32000 --train-seq-len 1024 --train-batch 16",
  "1 B (dim 2048, 16 layers, 32/8 heads, hidden 8192, vocab 32,000)": "--preset tiny --set dim=2048 --set n_layers=16 --set n_heads=32 --set n_kv_heads=8 --set hidden_dim=8192 --set vocab_size=32000 --set max_seq_len=2048 --train-seq-len 2048 --train-batch 8",

@@ -15,9 +15,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from minigpt import attention, ffn
-from minigpt.config import preset
-from minigpt.transformer import Transformer
+from minigpt.model import attention, ffn
+from minigpt.model.config import preset
+from minigpt.model.transformer import Transformer
 
 PLAIN_ATTENTION, PLAIN_FFN = attention.Attention.forward, ffn.SwiGLU.forward
 

@@ -20,8 +20,8 @@ def shared_data() -> Path:
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """A prepared data directory: the first 80 kB of the bundled Tiny Shakespeare, a 320-token BPE."""
-    from minigpt.data import prepare
-    from minigpt.sources import BUNDLED
+    from minigpt.data.prepare import prepare
+    from minigpt.data.sources import BUNDLED
 
     root = tmp_path_factory.mktemp("tiny_data")
     text = BUNDLED["shakespeare"].path.read_text(encoding="utf-8")[:80_000]

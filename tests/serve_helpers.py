@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-
 from conftest import TINY_MODEL
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -23,11 +22,11 @@ SERVED_MODEL = {**TINY_MODEL, "max_seq_len": 512}
 def train_tiny_model(data_dir: Path, out: Path, steps: int = 200):
     """A TINY_MODEL-shaped model trained for ``steps`` AdamW steps on ``data_dir`` (a second or two): its greedy
     text varies like real text, and its logits have realistic gaps, unlike a random init's near-ties."""
-    from minigpt.checkpoint import save_pretrained
-    from minigpt.config import ModelConfig
-    from minigpt.data import BatchSampler, load_split
-    from minigpt.tokenizer import Tokenizer
-    from minigpt.transformer import Transformer
+    from minigpt.checkpoint.native import save_pretrained
+    from minigpt.data.prepare import BatchSampler, load_split
+    from minigpt.model.config import ModelConfig
+    from minigpt.model.transformer import Transformer
+    from minigpt.tokenizer.tokenizer import Tokenizer
 
     torch.manual_seed(0)
     tok = Tokenizer.from_dir(data_dir)
@@ -92,21 +91,21 @@ class ServerProcess:
 
 
 def metrics(url: str) -> dict[str, float]:
-    from minigpt.metrics import parse_text
+    from minigpt.infer.metrics import parse_text
 
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         return parse_text(r.read().decode())
 
 
 class InProcessServer:
-    """The app of :func:`minigpt.server.create_app` under uvicorn in a thread of the test process."""
+    """The app of :func:`minigpt.serve.app.create_app` under uvicorn in a thread of the test process."""
 
     def __init__(self, state, start_worker: bool = True) -> None:
         import threading
 
         import uvicorn
 
-        from minigpt.server import create_app
+        from minigpt.serve.app import create_app
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -2,8 +2,8 @@
 report quotes each claim with a verdict next to a table and plots."""
 import pytest
 
-from minigpt import ablate
-from minigpt.estimate import count_parameters
+from minigpt.analysis.ablate import run as ablate
+from minigpt.analysis.estimate import count_parameters
 
 
 def test_parameter_matching_equalises_non_embedding_or_active_counts():
@@ -26,7 +26,7 @@ def test_parameter_matching_equalises_non_embedding_or_active_counts():
 
 
 def test_ablate_writes_a_report_with_claims_and_plots(tmp_path, monkeypatch):
-    from minigpt.sources import BUNDLED
+    from minigpt.data.sources import BUNDLED
 
     corpus = tmp_path / "slice.txt"
     corpus.write_text(BUNDLED["shakespeare"].path.read_text(encoding="utf-8")[:60_000], encoding="utf-8")

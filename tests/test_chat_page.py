@@ -12,7 +12,6 @@ import urllib.request
 
 import pytest
 import torch
-
 from conftest import TINY_MODEL
 from serve_helpers import ServerProcess
 
@@ -84,10 +83,10 @@ class DevTools:
 
 @pytest.fixture(scope="module")
 def server(tiny_data, tmp_path_factory):
-    from minigpt.checkpoint import save_pretrained
-    from minigpt.config import ModelConfig
-    from minigpt.tokenizer import Tokenizer
-    from minigpt.transformer import Transformer
+    from minigpt.checkpoint.native import save_pretrained
+    from minigpt.model.config import ModelConfig
+    from minigpt.model.transformer import Transformer
+    from minigpt.tokenizer.tokenizer import Tokenizer
 
     torch.manual_seed(0)
     tok = Tokenizer.from_dir(tiny_data)

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-
 from conftest import TINY_MODEL, assert_one_line_error, run_cli
-from minigpt.checkpoint import save_pretrained
-from minigpt.config import ModelConfig
-from minigpt.tokenizer import Tokenizer
-from minigpt.transformer import Transformer
+
+from minigpt.checkpoint.native import save_pretrained
+from minigpt.model.config import ModelConfig
+from minigpt.model.transformer import Transformer
+from minigpt.tokenizer.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +70,8 @@ def test_missing_checkpoint_directory(tmp_path):
 
 
 def test_generate_greedy_streams_the_same_text_as_the_library(tiny_ckpt):
-    from minigpt.checkpoint import load_model
-    from minigpt.generate import generate_tokens
+    from minigpt.checkpoint.native import load_model
+    from minigpt.infer.generate import generate_tokens
 
     proc = run_cli("generate", tiny_ckpt, "--prompt", "ROMEO:", "--max-new-tokens", 20, "--temperature", 0)
     assert proc.returncode == 0, proc.stderr

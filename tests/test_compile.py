@@ -3,10 +3,10 @@ eager fast path computes, for plain and left-padded batches, and one graph serve
 test_perf.py because a compilation takes seconds."""
 import torch
 
-from minigpt.config import ModelConfig
-from minigpt.fastpath import CACHE_BUCKET, FastPath
-from minigpt.generate import generate_batch, generate_tokens
-from minigpt.transformer import Transformer
+from minigpt.infer.fastpath import CACHE_BUCKET, FastPath
+from minigpt.infer.generate import generate_batch, generate_tokens
+from minigpt.model.config import ModelConfig
+from minigpt.model.transformer import Transformer
 
 torch.set_num_threads(1)
 
@@ -28,7 +28,7 @@ def make(seed=0, **kw) -> Transformer:
 def eager_and_compiled_int8_steps(build, tokens: torch.Tensor, prefill: int):
     """Logits of the decode steps after a ``prefill``-token prompt, ``[steps, batch, vocab]``, from the eager and the
     compiled int8 fast path of the model ``build()`` returns; also the compiled FastPath."""
-    from minigpt.fastpath import prepare
+    from minigpt.infer.fastpath import prepare
 
     outs = []
     with torch.inference_mode():
@@ -79,7 +79,7 @@ def test_compiled_int8_and_bf16_steps():
     """int8: the compiled step reads the weights as float32 words (int8_words) and must equal the eager int8 path
     up to summation order. bf16 weights: the compiled step keeps activations in float32 while the eager step rounds
     them to bf16 for the BLAS, so both are held to the bf16 tolerance against the fp32 model."""
-    from minigpt.fastpath import int8_words, prepare
+    from minigpt.infer.fastpath import int8_words, prepare
 
     q = torch.randint(-127, 128, (8, 12), dtype=torch.int8)
     words = int8_words(q)
@@ -110,7 +110,7 @@ def test_compiled_int8_and_bf16_steps():
 def test_compiled_int8_step_above_the_matrix_vector_batch():
     """More rows than DECODE_ROWS_MAX: the compiled int8 step unpacks the words into a matrix for one GEMM, and
     must still equal the eager int8 path row for row."""
-    from minigpt.fastpath import DECODE_ROWS_MAX
+    from minigpt.infer.fastpath import DECODE_ROWS_MAX
 
     tokens = torch.randint(0, 61, (DECODE_ROWS_MAX + 1, 12), generator=torch.Generator().manual_seed(4))
     outs, _ = eager_and_compiled_int8_steps(make, tokens, prefill=8)
@@ -163,7 +163,7 @@ def test_compiled_multi_token_step_equals_plain_forward():
     """decode_tokens: several new tokens per row through the compiled step (a speculative verify), each attending to
     the cache and to the new tokens up to its own, equals the plain forward; the cache it leaves is the one the
     following steps read. Three layers, fp32 and int8 (vs the eager int8 path), batch 2 with one left-padded row."""
-    from minigpt.fastpath import prepare
+    from minigpt.infer.fastpath import prepare
 
     tokens = torch.randint(0, 61, (1, 22), generator=torch.Generator().manual_seed(5))
     full, fast, cache = three_layers_compiled(tokens)

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from minigpt import sources
-from minigpt.data import BatchSampler, bits_per_byte, eval_windows, load_meta, load_split, prepare
-from minigpt.sources import BUNDLED, iter_documents, iter_pieces, resolve_source
+from minigpt.data import sources
+from minigpt.data.prepare import BatchSampler, bits_per_byte, eval_windows, load_meta, load_split, prepare
+from minigpt.data.sources import BUNDLED, iter_documents, iter_pieces, resolve_source
 from minigpt.errors import MiniGPTError
-from minigpt.tokenizer import Tokenizer, train_tokenizer
+from minigpt.tokenizer.tokenizer import Tokenizer, train_tokenizer
 
 VOCAB = 320
 EOT = 0

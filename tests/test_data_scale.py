@@ -12,13 +12,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import CLI_ENV, run_cli
-from minigpt import data, sources
-from minigpt.data import load_split, parse_size, prepare
+
+from minigpt.data import prepare as data
+from minigpt.data import sources
+from minigpt.data.prepare import load_split, prepare
+from minigpt.data.sources import BUNDLED
 from minigpt.errors import MiniGPTError
-from minigpt.sources import BUNDLED
-from minigpt.tokenizer import Tokenizer, train_tokenizer
+from minigpt.runtime import parse_size
+from minigpt.tokenizer.tokenizer import Tokenizer, train_tokenizer
 
 VOCAB = 320
 OUTPUTS = ("train.bin", "val.bin", "meta.json", "tokenizer.json")
@@ -189,7 +191,7 @@ def test_concurrent_prepare_into_one_directory_is_refused(tmp_path, small_tok):
 
 KILLED_RUN = """
 import sys
-from minigpt import data
+from minigpt.data import prepare as data
 data._JOB_CHARS, data._INPROCESS_CHARS = 8192, 0  # many jobs, pool from the first one
 data.prepare(sys.argv[1], sys.argv[2], tokenizer=sys.argv[3], workers=2)
 """

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 import torch
-
 from conftest import TINY_MODEL
-from minigpt.checkpoint import load_model
-from minigpt.train_state import consolidate
+
+from minigpt.checkpoint.native import load_model
+from minigpt.train.state import consolidate
 
 pytestmark = pytest.mark.distributed
 

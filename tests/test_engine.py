@@ -3,15 +3,15 @@ import random
 
 import pytest
 import torch
+from conftest import TINY_MODEL
 from torch import nn
 
-from conftest import TINY_MODEL
-from minigpt.config import ModelConfig
-from minigpt.engine import Engine, EngineClosed, InvalidRequest, QueueFull, SamplingParams, SlotKVCache
-from minigpt.fastpath import FastPath
-from minigpt.generate import generate_tokens
-from minigpt.tokenizer import Tokenizer, train_tokenizer
-from minigpt.transformer import Transformer, positions_from_mask
+from minigpt.infer.engine import Engine, EngineClosed, InvalidRequest, QueueFull, SamplingParams, SlotKVCache
+from minigpt.infer.fastpath import FastPath
+from minigpt.infer.generate import generate_tokens
+from minigpt.model.config import ModelConfig
+from minigpt.model.transformer import Transformer, positions_from_mask
+from minigpt.tokenizer.tokenizer import Tokenizer, train_tokenizer
 
 
 def tiny_model(seed=0, **overrides):

@@ -8,10 +8,20 @@ import sys
 import pytest
 import torch
 
-from minigpt.config import PRESETS, ModelConfig, preset
-from minigpt.estimate import (DTYPE_BYTES, EstimateRequest, activation_bytes, count_parameters, estimate, flops,
-                              format_report, kv_cache_bytes, kv_cache_bytes_per_token, training_memory)
-from minigpt.transformer import Transformer, lm_loss
+from minigpt.analysis.estimate import (
+    DTYPE_BYTES,
+    EstimateRequest,
+    activation_bytes,
+    count_parameters,
+    estimate,
+    flops,
+    format_report,
+    kv_cache_bytes,
+    kv_cache_bytes_per_token,
+    training_memory,
+)
+from minigpt.model.config import PRESETS, ModelConfig, preset
+from minigpt.model.transformer import Transformer, lm_loss
 
 torch.set_num_threads(1)
 

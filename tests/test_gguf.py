@@ -6,17 +6,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_one_line_error, run_cli
 import torch
+from conftest import assert_one_line_error, run_cli
 
-import minigpt.gguf_io as gguf_io
-from minigpt.checkpoint import import_model, load_model, load_tokenizer, model_state_dict, save_pretrained
-from minigpt.config import ModelConfig
+import minigpt.interop.gguf as gguf_io
+from minigpt.checkpoint.convert import export_gguf, export_hf
+from minigpt.checkpoint.native import import_model, load_model, load_tokenizer, model_state_dict, save_pretrained
 from minigpt.errors import MiniGPTError
-from minigpt.export import export_gguf, export_hf
-from minigpt.generate import generate_tokens
-from minigpt.tokenizer_interop import vocab_from_file
-from minigpt.transformer import Transformer
+from minigpt.infer.generate import generate_tokens
+from minigpt.model.config import ModelConfig
+from minigpt.model.transformer import Transformer
+from minigpt.tokenizer.interop import vocab_from_file
 
 gguf = pytest.importorskip("gguf")
 torch.set_num_threads(1)
@@ -24,8 +24,8 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from minigpt.sources import BUNDLED
-    from minigpt.tokenizer import train_tokenizer
+    from minigpt.data.sources import BUNDLED
+    from minigpt.tokenizer.tokenizer import train_tokenizer
 
     return train_tokenizer([BUNDLED["shakespeare"].path.read_text(encoding="utf-8")[:20000]], 300)
 
@@ -268,7 +268,7 @@ def test_unsupported_rope_scaling_for_gguf_export(tmp_path):
 def test_pre_tokenizer_patterns_round_trip(tmp_path, tokenizer):
     """A byte-level vocabulary with Llama 3's split pattern: built from GGUF-style metadata, saved, read back under
     the same llama.cpp name; an unknown pre-tokenizer is refused by name."""
-    from minigpt.tokenizer_interop import build_tokenizer
+    from minigpt.tokenizer.interop import build_tokenizer
 
     vocab = vocab_of(tokenizer)
     vocab.pre = "llama-bpe"

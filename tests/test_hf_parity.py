@@ -4,12 +4,12 @@ import json
 import pytest
 import torch
 
-from minigpt import hf
-from minigpt.checkpoint import load_model, save_pretrained
-from minigpt.config import ModelConfig
+from minigpt.checkpoint.native import load_model, save_pretrained
 from minigpt.errors import MiniGPTError
-from minigpt.generate import generate_tokens
-from minigpt.transformer import Transformer
+from minigpt.infer.generate import generate_tokens
+from minigpt.interop import hf
+from minigpt.model.config import ModelConfig
+from minigpt.model.transformer import Transformer
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test-only dependency (pip install .[dev])")
 

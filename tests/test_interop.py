@@ -7,17 +7,18 @@ import subprocess
 import sys
 
 import pytest
-from conftest import assert_one_line_error, run_cli
 import torch
+from conftest import assert_one_line_error, run_cli
 
-from minigpt import hf
-from minigpt.checkpoint import import_model, load_model, load_tokenizer, save_pretrained
-from minigpt.config import ModelConfig
+from minigpt.checkpoint.convert import export_hf
+from minigpt.checkpoint.native import import_model, load_model, load_tokenizer, save_pretrained
 from minigpt.errors import MiniGPTError
-from minigpt.export import export_hf, parse_size
-from minigpt.generate import generate_tokens
-from minigpt.rope import half_to_interleaved, rope_tables
-from minigpt.transformer import Transformer
+from minigpt.infer.generate import generate_tokens
+from minigpt.interop import hf
+from minigpt.model.config import ModelConfig
+from minigpt.model.rope import half_to_interleaved, rope_tables
+from minigpt.model.transformer import Transformer
+from minigpt.runtime import parse_size
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test-only dependency (pip install .[dev])")
 
@@ -170,8 +171,8 @@ def test_attention_mask_extends_to_the_kv_cache():
 
 # ------------------------------------------------------------------------------------------------ HF directories
 def _tokenizer():
-    from minigpt.sources import BUNDLED
-    from minigpt.tokenizer import train_tokenizer
+    from minigpt.data.sources import BUNDLED
+    from minigpt.tokenizer.tokenizer import train_tokenizer
 
     return train_tokenizer([BUNDLED["shakespeare"].path.read_text(encoding="utf-8")[:20000]], 300)
 
@@ -285,13 +286,15 @@ def test_features_a_llama_cannot_hold_are_refused_by_name():
 
 def test_parse_size():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("1GiB") == 2**30 and parse_size("30KB") == 30000
-    with pytest.raises(MiniGPTError, match="invalid size"):
+    with pytest.raises(MiniGPTError, match="cannot read 'lots' as a size"):
         parse_size("lots")
+    with pytest.raises(MiniGPTError, match="below the minimum of 1 bytes"):
+        parse_size("0", "--max-shard-size", minimum=1)
 
 
 # ------------------------------------------------------------------------------------------------ llama2.c
 def write_llama2c(model: Transformer, path, version: int) -> None:
-    """A llama2.c .bin of ``model`` (the inverse of minigpt.llama2c, written here independently for the test)."""
+    """A llama2.c .bin of ``model`` (the inverse of minigpt.interop.llama2c, written here independently for the test)."""
     c, sd = model.config, model.state_dict()
     stack = lambda name: torch.stack([sd[f"layers.{i}.{name}"] for i in range(c.n_layers)])  # noqa: E731
     q = torch.stack([half_to_interleaved(sd[f"layers.{i}.attention.wq.weight"], c.n_heads) for i in range(c.n_layers)])
@@ -361,8 +364,8 @@ def test_sentencepiece_model_exports_for_autotokenizer(shared_data, tmp_path):
 
 
 def test_llama2c_tokenizer_bin_encodes_like_sentencepiece(shared_data):
-    from minigpt.tokenizer import Tokenizer
-    from minigpt.tokenizer_interop import build_tokenizer, read_llama2c_tokenizer
+    from minigpt.tokenizer.interop import build_tokenizer, read_llama2c_tokenizer
+    from minigpt.tokenizer.tokenizer import Tokenizer
 
     folder = shared_data / "models" / "stories260K"
     sp = Tokenizer.from_file(folder / "tok512.model")
@@ -418,7 +421,7 @@ def test_trained_model_exports_and_generates_the_same_text_in_transformers(tiny_
     `generate` in a fresh Python process (AutoModelForCausalLM + AutoTokenizer, offline)."""
     from test_train import _cfg
 
-    from minigpt.train import train
+    from minigpt.train.loop import train
 
     train(_cfg(tiny_data, tmp_path / "run", max_steps=30, eval_interval=30))
     export = run_cli("export", tmp_path / "run", tmp_path / "hf", "--format", "hf")

@@ -1,12 +1,12 @@
-"""Emulated bf16 mixed precision (minigpt.mixed): the numerics of bf16 autocast with fp32 kernels -- a linear layer
+"""Emulated bf16 mixed precision (minigpt.train.mixed): the numerics of bf16 autocast with fp32 kernels -- a linear layer
 is exactly a bf16 GEMM with float32 accumulation, and a training step's loss and gradients are as close to
 torch.autocast's as two bf16 runs can be."""
 import torch
 import torch.nn.functional as F
 
-from minigpt.config import ModelConfig
-from minigpt.mixed import EmulatedBf16, autocast, compute_dtype, native_bf16
-from minigpt.transformer import Transformer, lm_loss
+from minigpt.model.config import ModelConfig
+from minigpt.model.transformer import Transformer, lm_loss
+from minigpt.train.mixed import EmulatedBf16, autocast, compute_dtype, native_bf16
 
 torch.set_num_threads(1)
 

@@ -4,11 +4,11 @@ import math
 import pytest
 import torch
 
-from minigpt.attention import Attention, causal_mask
-from minigpt.config import PRESETS, ModelConfig, preset, swiglu_hidden_dim
-from minigpt.norm import RMSNorm
-from minigpt.rope import apply_rope, rope_tables
-from minigpt.transformer import Transformer
+from minigpt.model.attention import Attention, causal_mask
+from minigpt.model.config import PRESETS, ModelConfig, preset, swiglu_hidden_dim
+from minigpt.model.norm import RMSNorm
+from minigpt.model.rope import apply_rope, rope_tables
+from minigpt.model.transformer import Transformer
 
 
 def small_config(**kw):

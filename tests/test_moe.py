@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from minigpt.config import ModelConfig
 from minigpt.errors import MiniGPTError
-from minigpt.moe import MoE, load_balancing_loss, route, router_z_loss
-from minigpt.perf import flops_per_token
-from minigpt.transformer import Transformer
+from minigpt.model.accounting import flops_per_token
+from minigpt.model.config import ModelConfig
+from minigpt.model.moe import MoE, load_balancing_loss, route, router_z_loss
+from minigpt.model.transformer import Transformer
 
 torch.set_num_threads(1)
 
@@ -116,7 +116,8 @@ def test_flops_count_active_experts_only():
 
 def test_training_adds_router_losses_and_logs_expert_load(tiny_data, tmp_path):
     from conftest import TINY_MODEL
-    from minigpt.train import TrainConfig, train
+
+    from minigpt.train.loop import TrainConfig, train
 
     model = {**TINY_MODEL, "n_experts": 3, "n_experts_per_token": 2}
     result = train(TrainConfig(data=str(tiny_data), out_dir=str(tmp_path), model=model, seq_len=16, batch_size=4,
@@ -149,8 +150,8 @@ def random_moe(seed=0, **kw) -> Transformer:
                                 dict(n_experts=3, n_kv_heads=4, rope_theta=1e6)],
                          ids=["untied-top2", "tied-top1", "3experts-mha"])
 def test_mixtral_export_matches_transformers_and_imports_back(tmp_path, kw):
-    from minigpt.checkpoint import load_model, save_pretrained
-    from minigpt.export import export_hf
+    from minigpt.checkpoint.convert import export_hf
+    from minigpt.checkpoint.native import load_model, save_pretrained
 
     model = random_moe(**kw)
     save_pretrained(model, tmp_path / "ours")
@@ -165,7 +166,7 @@ def test_mixtral_export_matches_transformers_and_imports_back(tmp_path, kw):
         prompt = tokens[:1, :8]
         theirs = ref.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0,
                               attention_mask=torch.ones_like(prompt))[0, 8:].tolist()
-    from minigpt.generate import generate_tokens
+    from minigpt.infer.generate import generate_tokens
 
     assert list(generate_tokens(model, prompt[0].tolist(), 16, temperature=0)) == theirs
     back = load_model(tmp_path / "hf")
@@ -177,7 +178,7 @@ def test_mixtral_export_matches_transformers_and_imports_back(tmp_path, kw):
 
 def test_transformers_fused_expert_layout_imports(tmp_path):
     """transformers 5 keeps experts fused in memory (gate_up_proj / down_proj); a state dict in that layout loads."""
-    from minigpt import hf
+    from minigpt.interop import hf
 
     model = random_moe(seed=3, tie_embeddings=False)
     ref = transformers.MixtralForCausalLM(transformers.MixtralConfig(**{
@@ -205,8 +206,8 @@ def test_transformers_fused_expert_layout_imports(tmp_path):
 @pytest.mark.parametrize("kw, field", [(dict(n_shared_experts=1), "n_shared_experts"), (dict(moe_every=2), "moe_every"),
                                        (dict(ffn="gelu"), "ffn"), (dict(bias=True), "bias")])
 def test_unrepresentable_moe_layouts_are_refused_by_name(tmp_path, kw, field):
-    from minigpt.checkpoint import save_pretrained
-    from minigpt.export import export_gguf, export_hf
+    from minigpt.checkpoint.convert import export_gguf, export_hf
+    from minigpt.checkpoint.native import save_pretrained
 
     model = random_moe(**kw)
     save_pretrained(model, tmp_path / "ours")

@@ -5,10 +5,10 @@ matrices. Speed is measured by `minigpt bench`, never asserted here."""
 import pytest
 import torch
 
-from minigpt.config import ModelConfig
-from minigpt.fastpath import FastPath, prepare, supports
-from minigpt.generate import generate_batch, generate_tokens
-from minigpt.transformer import Transformer
+from minigpt.infer.fastpath import FastPath, prepare, supports
+from minigpt.infer.generate import generate_batch, generate_tokens
+from minigpt.model.config import ModelConfig
+from minigpt.model.transformer import Transformer
 
 torch.set_num_threads(1)
 
@@ -178,7 +178,7 @@ def test_batch_stop_strings_cut_the_text(tiny_tokenizer_model):
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer_model(tiny_data):
-    from minigpt.tokenizer import Tokenizer
+    from minigpt.tokenizer.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(tiny_data)
     return make(vocab_size=tok.vocab_size, n_kv_heads=2), tok

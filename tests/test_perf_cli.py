@@ -4,12 +4,12 @@ import json
 
 import pytest
 import torch
-
 from conftest import TINY_MODEL, assert_one_line_error, run_cli
-from minigpt.checkpoint import save_pretrained
-from minigpt.config import ModelConfig
-from minigpt.tokenizer import Tokenizer
-from minigpt.transformer import Transformer
+
+from minigpt.checkpoint.native import save_pretrained
+from minigpt.model.config import ModelConfig
+from minigpt.model.transformer import Transformer
+from minigpt.tokenizer.tokenizer import Tokenizer
 
 
 def _ckpt(tiny_data, root, seed, **kw):
@@ -40,9 +40,9 @@ def generate(ckpt, *args):
 def expected(ckpt, prompt: str, **load) -> str:
     """What `minigpt generate --temperature 0 --max-new-tokens 12` prints, computed in-process with the plain
     model forward (subprocesses are slow to start; the comparison is the point)."""
-    from minigpt.checkpoint import load_tokenizer
-    from minigpt.fastpath import load_for_inference
-    from minigpt.generate import generate_tokens
+    from minigpt.checkpoint.native import load_tokenizer
+    from minigpt.infer.fastpath import load_for_inference
+    from minigpt.infer.generate import generate_tokens
 
     tok = load_tokenizer(ckpt)
     model = load_for_inference(ckpt, fast=False, **load)
@@ -119,7 +119,7 @@ def test_bench_bf16_rows_are_also_compared_with_transformers_fp32(tmp_path):
 
 
 def test_bench_table_ratios():
-    from minigpt.bench import format_table
+    from minigpt.analysis.bench.infer import format_table
 
     def m(dtype, impl, value):
         return {"preset": "small", "dtype": dtype, "row": "decode-b1", "impl": impl, "value": value,

@@ -7,13 +7,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minigpt.checkpoint import load_model, save_pretrained
-from minigpt.config import ModelConfig
+from minigpt.checkpoint.native import load_model, save_pretrained
+from minigpt.checkpoint.quantized import save_quantized
 from minigpt.errors import MiniGPTError
-from minigpt.fastpath import FastPath, prepare
-from minigpt.quant import (Int8Linear, dequantize_weight, int8_linear, is_quantized, quantize_model,
-                           quantize_weight, save_quantized)
-from minigpt.transformer import Transformer, lm_loss
+from minigpt.infer.fastpath import FastPath, prepare
+from minigpt.model.config import ModelConfig
+from minigpt.model.quant import (
+    Int8Linear,
+    dequantize_weight,
+    int8_linear,
+    is_quantized,
+    quantize_model,
+    quantize_weight,
+)
+from minigpt.model.transformer import Transformer, lm_loss
 
 torch.set_num_threads(1)
 
@@ -89,7 +96,7 @@ def test_quantized_checkpoint_errors(tmp_path):
 
 
 def test_export_refuses_a_quantized_model(tmp_path):
-    from minigpt.export import export_hf
+    from minigpt.checkpoint.convert import export_hf
 
     path = save_quantized(quantize_model(_model()), tmp_path / "q")
     with pytest.raises(MiniGPTError, match="int8"):
@@ -99,8 +106,8 @@ def test_export_refuses_a_quantized_model(tmp_path):
 def test_int8_perplexity_change_on_real_text_is_small(tiny_data):
     """Train a small model briefly on the Shakespeare slice, then compare validation perplexity of float and int8
     weights (the full-size measurement on the `small` preset is in docs/benchmarks.md)."""
-    from minigpt.data import load_split
-    from minigpt.tokenizer import Tokenizer
+    from minigpt.data.prepare import load_split
+    from minigpt.tokenizer.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(tiny_data)
     train = torch.from_numpy(load_split(tiny_data, "train").astype("int64"))
@@ -142,8 +149,8 @@ def test_prepare_quantizes_and_fuses():
 
 def test_quant_report_on_a_checkpoint(tiny_data, tmp_path):
     """`minigpt bench quant`'s report: perplexity of both, relative change, decode speeds (values not asserted)."""
-    from minigpt.bench import quant_report
-    from minigpt.tokenizer import Tokenizer
+    from minigpt.analysis.bench.infer import quant_report
+    from minigpt.tokenizer.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(tiny_data)
     ckpt = save_pretrained(_model(vocab_size=tok.vocab_size), tmp_path / "m", tokenizer=tok)

@@ -10,7 +10,6 @@ import urllib.request
 
 import pytest
 import torch
-
 from serve_helpers import ENV, InProcessServer, ServerProcess, metrics, train_tiny_model
 
 openai = pytest.importorskip("openai", reason="the openai client is a dev extra: pip install -e '.[dev]'")
@@ -39,9 +38,9 @@ def client(server):
 @pytest.fixture(scope="module")
 def reference(ckpt):
     """Greedy text of one prompt generated alone, in this process, with the library."""
-    from minigpt.checkpoint import load_model
-    from minigpt.generate import generate_tokens
-    from minigpt.tokenizer import Tokenizer
+    from minigpt.checkpoint.native import load_model
+    from minigpt.infer.generate import generate_tokens
+    from minigpt.tokenizer.tokenizer import Tokenizer
 
     model = load_model(ckpt)
     tok = Tokenizer.from_dir(ckpt)
@@ -172,7 +171,7 @@ def test_32_concurrent_greedy_requests_each_equal_their_single_output(server, re
 
 
 def _corpus_lines():
-    from minigpt.sources import BUNDLED
+    from minigpt.data.sources import BUNDLED
 
     return BUNDLED["shakespeare"].path.read_text(encoding="utf-8")[100_000:110_000].splitlines()
 
@@ -312,10 +311,10 @@ def test_full_queue_gets_429_and_timeouts_get_504(ckpt):
     """In-process, with the worker held back so the queue fills deterministically."""
     import threading
 
-    from minigpt.checkpoint import load_model
-    from minigpt.engine import Engine
-    from minigpt.server import ServerState
-    from minigpt.tokenizer import Tokenizer
+    from minigpt.checkpoint.native import load_model
+    from minigpt.infer.engine import Engine
+    from minigpt.serve.app import ServerState
+    from minigpt.tokenizer.tokenizer import Tokenizer
 
     torch.set_num_threads(1)
     model, tok = load_model(ckpt), Tokenizer.from_dir(ckpt)

@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 
-from minigpt.config import ModelConfig
 from minigpt.errors import MiniGPTError
-from minigpt.fastpath import FastPath
-from minigpt.generate import generate_tokens, sampling_probs
-from minigpt.speculative import SpeculativeStats, accept_reject, greedy_accept, speculative_tokens
-from minigpt.transformer import Transformer
+from minigpt.infer.fastpath import FastPath
+from minigpt.infer.generate import generate_tokens, sampling_probs
+from minigpt.infer.speculative import SpeculativeStats, accept_reject, greedy_accept, speculative_tokens
+from minigpt.model.config import ModelConfig
+from minigpt.model.transformer import Transformer
 
 torch.set_num_threads(1)
 
@@ -166,9 +166,9 @@ def test_speculative_sampling_matches_the_target_end_to_end():
 
 def test_speculative_report(tiny_data, tmp_path):
     """`minigpt bench speculative`'s report on saved checkpoints: greedy outputs identical, counters consistent."""
-    from minigpt.bench import speculative_report
-    from minigpt.checkpoint import save_pretrained
-    from minigpt.tokenizer import Tokenizer
+    from minigpt.analysis.bench.infer import speculative_report
+    from minigpt.checkpoint.native import save_pretrained
+    from minigpt.tokenizer.tokenizer import Tokenizer
 
     vocab = Tokenizer.from_dir(tiny_data).vocab_size
     target = save_pretrained(make(0, vocab=vocab), tmp_path / "t")

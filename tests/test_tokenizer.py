@@ -5,7 +5,7 @@ import random
 import pytest
 
 from minigpt.errors import MiniGPTError
-from minigpt.tokenizer import SPECIAL_TOKENS, StreamDecoder, Tokenizer, train_tokenizer
+from minigpt.tokenizer.tokenizer import SPECIAL_TOKENS, StreamDecoder, Tokenizer, train_tokenizer
 
 CHINESE = "床前明月光，疑是地上霜。\n舉頭望明月，低頭思故鄉。"
 EMOJI = "family 👩‍👩‍👧 flag 🇫🇷 thumbs 👍🏽 and 🎉!"

@@ -10,17 +10,17 @@ import time
 
 import pytest
 import torch
-
 from conftest import TINY_MODEL
-from minigpt.checkpoint import load_model, resolve_checkpoint, verify_manifest
-from minigpt.config import ModelConfig
+
+from minigpt.checkpoint.native import load_model, resolve_checkpoint, verify_manifest
 from minigpt.errors import MiniGPTError
-from minigpt.schedule import decay_progress, warmup_cosine_lr
-from minigpt import train_state
-from minigpt.distributed import DistInfo
-from minigpt.train import TrainConfig, param_groups, train
-from minigpt.train_state import find_latest as find_resume_checkpoint
-from minigpt.transformer import Transformer
+from minigpt.model.config import ModelConfig
+from minigpt.model.transformer import Transformer
+from minigpt.train import state as train_state
+from minigpt.train.distributed import DistInfo
+from minigpt.train.loop import TrainConfig, param_groups, train
+from minigpt.train.schedule import decay_progress, warmup_cosine_lr
+from minigpt.train.state import find_latest as find_resume_checkpoint
 
 
 def test_warmup_cosine_values():
@@ -109,7 +109,7 @@ def _save(out_dir, model, tok, step):
 
 def test_interrupted_checkpoint_write_keeps_the_last_good_one(tmp_path, monkeypatch):
     model = Transformer(ModelConfig(vocab_size=50, **TINY_MODEL))
-    from minigpt.tokenizer import train_tokenizer
+    from minigpt.tokenizer.tokenizer import train_tokenizer
 
     tok = train_tokenizer(["hello world"] * 10, 260)
     good = _save(tmp_path, model, tok, 1)
@@ -128,7 +128,7 @@ def test_interrupted_checkpoint_write_keeps_the_last_good_one(tmp_path, monkeypa
 
 def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, capsys):
     model = Transformer(ModelConfig(vocab_size=50, **TINY_MODEL))
-    from minigpt.tokenizer import train_tokenizer
+    from minigpt.tokenizer.tokenizer import train_tokenizer
 
     tok = train_tokenizer(["hello world"] * 10, 260)
     _save(tmp_path, model, tok, 1)
@@ -163,7 +163,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_data, tmp_path):
 
 def _nan_after(n_good, n_bad=10**9):
     """An lm_loss that is finite for n_good calls, then NaN for n_bad calls, then finite again."""
-    from minigpt.transformer import lm_loss
+    from minigpt.model.transformer import lm_loss
 
     calls = {"n": 0}
 
@@ -176,7 +176,7 @@ def _nan_after(n_good, n_bad=10**9):
 
 
 def test_a_non_finite_step_is_skipped_and_training_continues(tiny_data, tmp_path, monkeypatch):
-    import minigpt.train as train_mod
+    import minigpt.train.loop as train_mod
 
     monkeypatch.setattr(train_mod, "lm_loss", _nan_after(5, n_bad=1))
     train(_cfg(tiny_data, tmp_path / "run", max_steps=10, log_interval=1))
@@ -187,7 +187,7 @@ def test_a_non_finite_step_is_skipped_and_training_continues(tiny_data, tmp_path
 
 
 def test_consecutive_non_finite_steps_abort_and_keep_the_last_good_checkpoint(tiny_data, tmp_path, monkeypatch):
-    import minigpt.train as train_mod
+    import minigpt.train.loop as train_mod
 
     monkeypatch.setattr(train_mod, "lm_loss", _nan_after(8))
     with pytest.raises(MiniGPTError, match="3 consecutive steps with a non-finite"):

@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minigpt.attention import Attention, causal_mask, naive_attention
-from minigpt.config import ModelConfig
-from minigpt.flash_reference import flash_attention
-from minigpt.generate import generate_tokens
-from minigpt.positions import Alibi, alibi_slopes, sinusoidal_table
-from minigpt.transformer import Transformer
+from minigpt.infer.generate import generate_tokens
+from minigpt.model.attention import Attention, causal_mask, naive_attention
+from minigpt.model.config import ModelConfig
+from minigpt.model.flash_reference import flash_attention
+from minigpt.model.positions import Alibi, alibi_slopes, sinusoidal_table
+from minigpt.model.transformer import Transformer
 
 torch.set_num_threads(1)
 
@@ -144,7 +144,7 @@ def test_attention_implementations_agree_with_sdpa(impl, alibi):
     """Full sequence (forward and gradients), a cached prefix with single-token and chunked steps, and a padding
     mask: naive and flash_reference equal sdpa in fp32 to 1e-5 (6 heads, 2 KV heads, ragged tiles of 8)."""
     cfg, ref, other = _attention_pair(impl)
-    from minigpt.rope import rope_tables
+    from minigpt.model.rope import rope_tables
 
     cos, sin = rope_tables(cfg.head_dim, 64)
     slopes = alibi_slopes(cfg.n_heads)
@@ -164,7 +164,7 @@ def test_attention_implementations_agree_with_sdpa(impl, alibi):
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=0)
 
-    from minigpt.kv_cache import KVCache
+    from minigpt.model.kv_cache import KVCache
 
     with torch.no_grad():
         results = []
@@ -182,8 +182,8 @@ def test_attention_implementations_agree_with_sdpa(impl, alibi):
 
         mask = torch.ones(2, 29, dtype=torch.long)
         mask[1, :6] = 0
-        from minigpt.attention import padded_causal_mask
-        from minigpt.transformer import positions_from_mask
+        from minigpt.model.attention import padded_causal_mask
+        from minigpt.model.transformer import positions_from_mask
 
         dense = padded_causal_mask(mask, 29)
         a = Alibi(slopes, positions_from_mask(mask, 0, 29)) if alibi else None
@@ -263,8 +263,8 @@ def test_non_gated_ffn_defaults_to_4x_dim_and_gated_to_the_two_thirds_rule():
 
 
 def test_default_config_builds_the_llama_modules():
-    from minigpt.ffn import SwiGLU
-    from minigpt.norm import RMSNorm
+    from minigpt.model.ffn import SwiGLU
+    from minigpt.model.norm import RMSNorm
 
     model = make()
     block = model.layers[0]

@@ -1,0 +1,139 @@
+"""``minigpt export``: any model source -> a Hugging Face ``LlamaForCausalLM`` directory (``MixtralForCausalLM``
+for a mixture of experts in Mixtral's layout) or a llama GGUF file.
+
+Hugging Face directory (what ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` read,
+offline): ``config.json`` (:func:`minigpt.interop.hf.config_to_hf` plus special-token ids and dtype), ``model.safetensors``
+or, above ``max_shard_size``, ``model-0000i-of-0000n.safetensors`` shards with ``model.safetensors.index.json``
+(``{"metadata": {"total_size": bytes}, "weight_map": {tensor: shard}}``, the layout of ``transformers``'
+``save_pretrained``), ``generation_config.json``, and the tokenizer (``tokenizer.json``; a SentencePiece model is
+written both as is, ``tokenizer.model``, and rebuilt as ``tokenizer.json``) with ``tokenizer_config.json`` and
+``special_tokens_map.json``. The directory is written atomically.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors.torch import save_file
+
+from minigpt.checkpoint.native import atomic_dir, load_chat_template, load_model, load_tokenizer, model_state_dict
+from minigpt.errors import MiniGPTError
+from minigpt.interop import hf
+from minigpt.runtime import DTYPES, parse_size
+from minigpt.tokenizer.interop import build_tokenizer, hf_tokenizer_config, vocab_from_file
+
+
+def shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Split ``tensors`` (in order) into shards of at most ``max_bytes`` each; a larger tensor gets its own shard."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    return shards
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], directory: Path, max_bytes: int) -> list[str]:
+    """Write ``model.safetensors``, or shards plus ``model.safetensors.index.json``; returns the file names."""
+    parts = shard(tensors, max_bytes)
+    if len(parts) == 1:
+        save_file(parts[0], str(directory / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names, weight_map = [], {}
+    for i, part in enumerate(parts, 1):
+        name = f"model-{i:05d}-of-{len(parts):05d}.safetensors"
+        save_file(part, str(directory / name), metadata={"format": "pt"})
+        names.append(name)
+        weight_map.update({k: name for k in part})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return names + ["model.safetensors.index.json"]
+
+
+def _special_ids(tokenizer) -> dict[str, Optional[int]]:
+    return {"bos_token": tokenizer.bos_id, "eos_token": tokenizer.eos_id, "pad_token": tokenizer.pad_id,
+            "unk_token": tokenizer.token_to_id("<unk>")}
+
+
+def _float_model(source: str | Path):
+    """:func:`load_model`, refusing an int8-quantized directory (its layers have no float weight to export)."""
+    from minigpt.model.quant import is_quantized
+
+    model = load_model(source)
+    if is_quantized(model):
+        raise MiniGPTError(f"{source} holds int8-quantized weights (minigpt.model.quant); export the float checkpoint it "
+                           "was quantized from instead")
+    return model
+
+
+def export_hf(source: str | Path, out: str | Path, dtype: str = "float32", max_shard_size: str | int = "5GB") -> Path:
+    """Write ``source`` (any model source :func:`minigpt.checkpoint.native.load_model` reads) as a ``LlamaForCausalLM``
+    (or ``MixtralForCausalLM``) directory ``out`` in ``dtype`` (float32 / bfloat16 / float16). Returns ``out``.
+
+    Without a tokenizer at ``source`` only the model files are written. Raises :class:`MiniGPTError` for an
+    unknown dtype, an unreadable source, or a config field the architecture cannot represent.
+    """
+    if dtype not in DTYPES:
+        raise MiniGPTError(f"--dtype {dtype!r} is not available for Hugging Face export; choose one of "
+                           f"{sorted(DTYPES)}")
+    max_bytes = parse_size(max_shard_size, "--max-shard-size", minimum=1)
+    model = _float_model(source)
+    hf.config_to_hf(model.config)  # refuses, by field name, what the architecture cannot hold
+    try:
+        tokenizer = load_tokenizer(source)
+    except MiniGPTError:
+        tokenizer = None
+    tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in hf.state_dict_to_hf(model_state_dict(model)).items()}
+    ids = _special_ids(tokenizer) if tokenizer is not None else {}
+    token_ids = {f"{k}_id": ids.get(k) for k in ("bos_token", "eos_token", "pad_token")}
+    with atomic_dir(out) as tmp:
+        write_safetensors(tensors, tmp, max_bytes)
+        config = hf.config_to_hf(model.config, **token_ids, torch_dtype=dtype)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        generation = {k: v for k, v in token_ids.items() if v is not None}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer_file = tokenizer.save(tmp)
+            if tokenizer_file.suffix == ".model":
+                # transformers can convert a tokenizer.model only with protobuf installed; an equivalent
+                # tokenizer.json beside it loads with nothing extra (minigpt keeps using the .model).
+                tokenizer_file = tmp / "tokenizer.json"
+                build_tokenizer(vocab_from_file(tmp / "tokenizer.model")).save(str(tokenizer_file))
+            tok_config, special_map = hf_tokenizer_config(tokenizer_file, ids, model.config.max_seq_len,
+                                                          load_chat_template(source))
+            (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
+            (tmp / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2, ensure_ascii=False) + "\n")
+    return Path(out)
+
+
+def export_gguf(source: str | Path, out: str | Path, dtype: str = "float32") -> Path:
+    """Write ``source`` as a llama GGUF (``dtype``: float32 / float16 / bfloat16 / q8_0) with its tokenizer.
+
+    ``out`` ending in ``.gguf`` is the file; otherwise it is a directory that receives ``model.gguf``. Returns the
+    file written.
+    """
+    from minigpt.interop.gguf import write_gguf
+
+    model = _float_model(source)
+    out = Path(out)
+    path = out if out.suffix == ".gguf" else out / "model.gguf"
+    vocab = None
+    try:
+        tokenizer = load_tokenizer(source)
+    except MiniGPTError:
+        tokenizer = None
+    if tokenizer is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            vocab = vocab_from_file(tokenizer.save(Path(tmp)))
+        vocab.bos_id, vocab.eos_id, vocab.pad_id = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
+        vocab.chat_template = load_chat_template(source)
+    name = Path(source).stem if Path(source).is_file() else Path(source).resolve().name
+    return write_gguf(model_state_dict(model), model.config, path, dtype, vocab, name=name)

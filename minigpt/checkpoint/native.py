@@ -1,0 +1,288 @@
+"""Saving and loading models and training checkpoints, atomically and with clear errors.
+
+A model directory holds ``config.json`` (our :class:`ModelConfig` fields), ``model.safetensors`` and, when known,
+``tokenizer.json``. :func:`load_model` also accepts a Hugging Face Llama / Mistral / Qwen2 directory (single-file or
+sharded safetensors, any float dtype), a GGUF file (:mod:`minigpt.interop.gguf`) and a llama2.c ``.bin`` checkpoint
+(:mod:`minigpt.interop.llama2c`). Every directory is written under a temporary name, fsynced, then renamed, so a crash leaves
+either the old checkpoint or the new one, never half of one.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from minigpt.checkpoint.atomic import FORMAT, atomic_dir, verify_manifest
+from minigpt.checkpoint.quantized import load_quantized
+from minigpt.errors import MiniGPTError
+from minigpt.interop import hf
+from minigpt.model.config import ModelConfig
+from minigpt.model.quant import METHOD
+from minigpt.model.transformer import Transformer
+
+
+def model_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """State dict without the tied LM head (safetensors refuses shared storage; the head is re-tied on load)."""
+    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        sd.pop("output.weight", None)
+    return sd
+
+
+def write_model_files(model: Transformer, directory: Path, tokenizer=None) -> None:
+    """Write ``config.json``, ``model.safetensors`` (and ``tokenizer.json``) into an existing ``directory``."""
+    config = {"format": FORMAT, **model.config.to_dict()}
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(model_state_dict(model), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save(directory / "tokenizer.json")
+
+
+def save_pretrained(model: Transformer, directory: str | Path, tokenizer=None) -> Path:
+    """Atomically write a model directory (see module docstring). Returns its path."""
+    with atomic_dir(directory) as tmp:
+        write_model_files(model, tmp, tokenizer)
+    return Path(directory)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise MiniGPTError(f"{path.parent} is not a model directory: {path.name} is missing")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MiniGPTError(f"{path} is not valid JSON ({e})") from None
+
+
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of ``model.safetensors`` or of the shards its index lists, by their stored names.
+
+    Raises :class:`MiniGPTError` for a missing, truncated or corrupt file.
+    """
+    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
+    try:
+        if single.is_file():
+            return load_file(str(single))
+        if index.is_file():
+            tensors: dict[str, torch.Tensor] = {}
+            for shard in sorted(set(_read_json(index)["weight_map"].values())):
+                if not (directory / shard).is_file():
+                    raise MiniGPTError(f"{directory} is missing shard {shard} listed in {index.name}")
+                tensors.update(load_file(str(directory / shard)))
+            return tensors
+    except SafetensorError as e:
+        raise MiniGPTError(f"{directory}: the weights file is corrupt or truncated ({e})") from None
+    if (directory / "dcp").is_dir():
+        raise MiniGPTError(f"{directory} is a sharded training checkpoint: run `minigpt checkpoint consolidate "
+                           f"{directory} OUT_DIR` to make a single-file model")
+    raise MiniGPTError(f"{directory} has no weights: expected model.safetensors (or a sharded index)")
+
+
+def load_state_into(model: Transformer, sd: dict[str, torch.Tensor], source: str) -> None:
+    """Copy ``sd`` into ``model``, raising :class:`MiniGPTError` on missing/unexpected tensors or shape mismatch."""
+    expected = model_state_dict(model)
+    missing = sorted(set(expected) - set(sd))
+    unexpected = sorted(set(sd) - set(expected))
+    if missing or unexpected:
+        raise MiniGPTError(
+            f"{source} does not match its config: missing tensors {missing[:4]}, unexpected {unexpected[:4]}"
+        )
+    for k, v in sd.items():
+        if v.shape != expected[k].shape:
+            raise MiniGPTError(
+                f"{source}: tensor {k} has shape {tuple(v.shape)} but the config implies {tuple(expected[k].shape)}"
+            )
+    model.load_state_dict(sd, strict=False)  # strict=False only because the tied head is absent from sd
+
+
+def load_config(directory: str | Path) -> ModelConfig:
+    """The :class:`ModelConfig` of a MiniGPT or Hugging Face model directory."""
+    directory = Path(directory)
+    d = _read_json(directory / "config.json")
+    try:
+        if d.get("format") == FORMAT:
+            return ModelConfig.from_dict({k: v for k, v in d.items() if k not in ("format", "quantization")})
+        if hf.is_hf_dir(directory):
+            return hf.config_from_hf(d)
+    except (ValueError, KeyError, TypeError) as e:
+        raise MiniGPTError(f"{directory}/config.json is invalid: {e}") from None
+    raise MiniGPTError(f"{directory}/config.json is neither a MiniGPT nor a Hugging Face config")
+
+
+def read_source(source: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """``(config, state_dict in our names)`` of any model source :func:`load_model` accepts.
+
+    Raises :class:`MiniGPTError` for a missing or unreadable source.
+    """
+    source = Path(source)
+    if source.is_file():
+        if source.suffix == ".gguf":
+            from minigpt.interop.gguf import read_gguf, read_gguf_weights
+
+            gf = read_gguf(source)
+            return gf.config, read_gguf_weights(gf)
+        if source.suffix == ".bin":
+            from minigpt.interop.llama2c import read_llama2c
+
+            return read_llama2c(source)
+        raise MiniGPTError(f"{source}: unknown model file type; expected a directory, a .gguf or a llama2.c .bin")
+    if not source.is_dir():
+        raise MiniGPTError(f"checkpoint {source} does not exist")
+    verify_manifest(source)
+    config = load_config(source)
+    tensors = read_weights(source)
+    d = _read_json(source / "config.json")
+    if hf.is_hf_dir(source) and d.get("format") != FORMAT:
+        tensors = hf.state_dict_from_hf(tensors, config, hf.architecture(d))
+    return config, tensors
+
+
+def load_model(
+    source: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: Optional[torch.dtype] = None,
+) -> Transformer:
+    """Load a model into a :class:`Transformer` in eval mode, ``dtype`` (default float32) on ``device``.
+
+    ``source``: a MiniGPT or Hugging Face directory, a ``.gguf`` file or a llama2.c ``.bin`` file. A directory
+    saved quantized (:func:`minigpt.checkpoint.quantized.save_quantized`) loads as a quantized model (int8 weights kept; ``dtype``
+    applies to its float tensors). Raises :class:`MiniGPTError` for a missing directory/file, corrupt weights, or
+    weights that do not fit the config.
+    """
+    config, tensors = read_source(source)
+    quantization = quantization_of(source)
+    if quantization is not None:
+        if quantization.get("method") != METHOD:
+            raise MiniGPTError(f"{source}: unknown quantization method {quantization.get('method')!r}; this "
+                               f"version reads {METHOD!r}")
+        return load_quantized(config, tensors, str(source), device, dtype)
+    with torch.device("meta"):
+        model = Transformer(config)
+    model = model.to_empty(device=device)
+    model.init_rope(device)
+    if config.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    # load_state_dict copies (and so converts) every tensor into the float32 parameters, whatever its dtype.
+    load_state_into(model, tensors, str(source))
+    model = model.to(dtype=dtype or torch.float32)
+    return model.eval()
+
+
+def quantization_of(source: str | Path) -> Optional[dict]:
+    """The ``quantization`` entry of a MiniGPT directory's ``config.json`` (None: a float model)."""
+    path = Path(source) / "config.json"
+    if not path.is_file():
+        return None
+    d = _read_json(path)
+    return d.get("quantization") if d.get("format") == FORMAT else None
+
+
+def load_tokenizer(source: str | Path):
+    """The tokenizer of a model source: SentencePiece ``tokenizer.model`` or else ``tokenizer.json`` in a directory,
+    the ``tokenizer.*`` metadata of a GGUF, or the tokenizer beside a llama2.c ``.bin``.
+
+    Raises :class:`MiniGPTError` when there is none.
+    """
+    from minigpt.tokenizer.interop import build_tokenizer
+    from minigpt.tokenizer.tokenizer import Tokenizer
+
+    source = Path(source)
+    if source.is_file() and source.suffix == ".gguf":
+        from minigpt.interop.gguf import read_vocab
+
+        vocab = read_vocab(source)
+        if vocab is None:
+            raise MiniGPTError(f"{source} has no tokenizer metadata (tokenizer.ggml.*)")
+        return Tokenizer(hf=build_tokenizer(vocab))
+    if source.is_file() and source.suffix == ".bin":
+        from minigpt.interop.llama2c import find_tokenizer
+        from minigpt.tokenizer.interop import read_llama2c_tokenizer
+
+        found = find_tokenizer(source)
+        if found is None:
+            raise MiniGPTError(f"no tokenizer beside {source}: expected tokenizer.model, *.model, tokenizer.bin or "
+                               "tok*.bin in the same directory")
+        if found.suffix == ".model":
+            return Tokenizer.from_file(found)
+        return Tokenizer(hf=build_tokenizer(read_llama2c_tokenizer(found)))
+    if (source / "tokenizer.model").is_file():
+        # A tokenizer.json beside a SentencePiece model is a conversion of it (Hugging Face repos, our own HF
+        # export) that differs in whitespace normalisation; the original is the reference.
+        return Tokenizer.from_file(source / "tokenizer.model")
+    return Tokenizer.from_dir(source)
+
+
+def load_chat_template(source: str | Path) -> Optional[str]:
+    """The chat template (a Jinja string) stored with a model source, or None."""
+    source = Path(source)
+    if source.is_file() and source.suffix == ".gguf":
+        from minigpt.interop.gguf import read_vocab
+
+        vocab = read_vocab(source)
+        return vocab.chat_template if vocab else None
+    if source.is_dir():
+        if (source / "chat_template.jinja").is_file():
+            return (source / "chat_template.jinja").read_text(encoding="utf-8")
+        if (source / "tokenizer_config.json").is_file():
+            return _read_json(source / "tokenizer_config.json").get("chat_template")
+    return None
+
+
+def import_model(
+    source: str | Path, out: str | Path, tokenizer_path: Optional[str | Path] = None, dtype: torch.dtype = torch.float32
+) -> Path:
+    """``minigpt import``: read any model source and write it as a MiniGPT model directory ``out``.
+
+    The tokenizer comes from ``tokenizer_path`` if given, else from the source (none: the model is written alone);
+    a chat template is kept in ``tokenizer_config.json``. Raises :class:`MiniGPTError` for an unreadable source.
+    """
+    from minigpt.tokenizer.tokenizer import Tokenizer
+
+    model = load_model(source, dtype=dtype)
+    if tokenizer_path is not None:
+        tokenizer = Tokenizer.from_file(tokenizer_path)
+    else:
+        try:
+            tokenizer = load_tokenizer(source)
+        except MiniGPTError:
+            tokenizer = None
+    if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
+        raise MiniGPTError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                           f"{model.config.vocab_size} embeddings")
+    chat_template = load_chat_template(source)
+    with atomic_dir(out) as tmp:
+        write_model_files(model, tmp, tokenizer)
+        if chat_template:
+            (tmp / "tokenizer_config.json").write_text(json.dumps({"chat_template": chat_template}, indent=2,
+                                                                  ensure_ascii=False) + "\n")
+    return Path(out)
+
+
+MODEL_FILE_SUFFIXES = (".gguf", ".bin")
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A model source from a run directory (follows its ``latest`` pointer), a model directory, a ``.gguf`` file or
+    a llama2.c ``.bin`` file.
+
+    Raises :class:`MiniGPTError` if ``path`` is none of them.
+    """
+    path = Path(path)
+    if path.is_file() and path.suffix in MODEL_FILE_SUFFIXES:
+        return path
+    if not path.is_dir():
+        raise MiniGPTError(f"checkpoint {path} does not exist (give a run dir, checkpoint dir, HF model dir, "
+                           ".gguf file or llama2.c .bin file)")
+    if (path / "config.json").is_file():
+        return path
+    latest = path / "latest"
+    if latest.is_file():
+        target = path / latest.read_text().strip()
+        if target.is_dir():
+            return target
+        raise MiniGPTError(f"{latest} points at {target}, which does not exist")
+    raise MiniGPTError(f"{path} is not a model directory: config.json is missing")

@@ -1,0 +1,664 @@
+"""Continuous batching: one model worker decodes every running request in one forward per token.
+
+Requests join and leave the running batch at token boundaries (Yu et al. 2022, "Orca: a distributed serving system
+for Transformer-based generative models", iteration-level scheduling). Each running request owns one *slot* of a
+preallocated KV cache (:class:`SlotKVCache`); an iteration of the worker (:meth:`Engine.step`)
+
+1. drops cancelled and timed-out requests, freeing their slots at once;
+2. admits waiting requests (first come, first served) while a slot is free, the running requests' reserved tokens
+   (prompt + ``max_tokens``) stay within ``max_batch_tokens`` and the padded prefill stays within
+   ``max_prefill_tokens``, and prefills them together in one forward (right-padded), sampling their first token;
+3. decodes one token for every running request in one forward, each row at its own position.
+
+Rows of different lengths share one decode forward through the model's public interface only: the attention mask
+``[batch, S + 1]`` (``S`` = the longest row) marks each row's cached columns ``0 .. len - 1`` and the new column
+``S``, so ``positions_from_mask`` gives the new token of row ``i`` position ``len_i``; the cache writes that token's
+keys/values at column ``len_i`` of the row's slot (its permanent place) and also at column ``S`` (beyond every row's
+data, so nothing is overwritten) and hands the model columns ``0 .. S``. Masked columns never contribute, so every
+row computes what it would alone, up to floating-point summation order.
+
+Sampling is per row with the request's own ``torch.Generator``, so a seeded request draws the same tokens whatever
+its batch-mates (and the same as ``generate_tokens`` with that seed). Detokenization (:class:`StreamDecoder`) and
+stop strings run per request in the worker, so a request stopped by a string frees its slot at that token.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+
+from minigpt.errors import MiniGPTError
+from minigpt.infer.fastpath import FastPath
+from minigpt.infer.generate import model_device, sample
+from minigpt.infer.metrics import ServingMetrics
+from minigpt.model.kv_cache import KVCache
+from minigpt.model.transformer import Transformer
+from minigpt.tokenizer.tokenizer import StreamDecoder, Tokenizer
+
+log = logging.getLogger("minigpt.infer.engine")
+
+
+class InvalidRequest(MiniGPTError):
+    """A request the engine can never run (too long, bad parameters); ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class QueueFull(MiniGPTError):
+    """The wait queue holds ``max_queue`` requests already (HTTP 429)."""
+
+
+class EngineClosed(MiniGPTError):
+    """The engine is shutting down and accepts no new requests (HTTP 503)."""
+
+
+class SlotKVCache(KVCache):
+    """A :class:`KVCache` whose batch rows are request slots, each row written at its own column.
+
+    Buffers ``[n_layers, n_slots, n_kv_heads, max_seq_len, head_dim]``. Before each forward the engine says which
+    rows the forward covers (``offset .. offset + batch``) and how to write:
+
+    * :meth:`for_prefill`: like the base class, columns ``start_pos .. start_pos + seq_len`` of every row;
+    * :meth:`for_decode` with per-row lengths ``lens`` (tokens already cached) and ``S = max(lens)``: the single
+      new key/value of row ``i`` goes to column ``lens[i]`` and to column ``S``; returns columns ``0 .. S``.
+    """
+
+    def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        super().__init__(n_layers, n_slots, n_kv_heads, max_seq_len, head_dim, dtype, device)
+        self._offset = 0
+        self._lens: Optional[torch.Tensor] = None
+        self._rows: Optional[torch.Tensor] = None
+
+    def for_prefill(self, offset: int) -> None:
+        self._offset, self._lens, self._rows = offset, None, None
+
+    def for_decode(self, offset: int, lens: torch.Tensor) -> None:
+        """``lens``: int64 ``[batch]`` on the cache's device."""
+        self._offset, self._lens = offset, lens
+        self._rows = torch.arange(offset, offset + lens.numel(), device=lens.device)
+
+    def update(self, layer: int, start_pos: int, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, _, seq_len, _ = k.shape
+        end = start_pos + seq_len
+        if end > self.max_seq_len:
+            raise ValueError(f"KV cache overflow: positions up to {end} requested but a slot holds {self.max_seq_len}")
+        rows = slice(self._offset, self._offset + batch)
+        kl, vl = self.k[layer], self.v[layer]
+        if self._lens is None:
+            kl[rows, :, start_pos:end] = k
+            vl[rows, :, start_pos:end] = v
+        else:
+            if seq_len != 1 or batch != self._lens.numel():
+                raise ValueError("a decode step takes exactly one new token per row")
+            # Advanced indices on dims 0 and 2 around a slice: the selection is [batch, n_kv_heads, head_dim].
+            kl[self._rows, :, self._lens] = k[:, :, 0]
+            vl[self._rows, :, self._lens] = v[:, :, 0]
+            kl[rows, :, start_pos] = k[:, :, 0]
+            vl[rows, :, start_pos] = v[:, :, 0]
+        return kl[rows, :, :end], vl[rows, :, :end]
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` columns of slot ``src`` into slot ``dst`` (all layers)."""
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request generates. ``temperature`` 0 is greedy; ``top_k`` None/0 and ``top_p`` None/1 are off;
+    ``stop`` strings end the generation (and are not returned); ``seed`` makes sampling reproducible."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    stop: tuple[str, ...] = ()
+    seed: Optional[int] = None
+
+
+@dataclass
+class Event:
+    """What a request's consumer receives after each generated token.
+
+    ``text``: the new text that became final (may be ``""``: half a UTF-8 character, or text held back because it
+    could be the start of a stop string). The last event has ``finish_reason``: ``"stop"`` (EOS or a stop string),
+    ``"length"`` (``max_tokens``), ``"cancelled"``, ``"timeout"`` or ``"error"`` (then ``error`` says why).
+    ``completion_tokens`` counts generated tokens, a final EOS included.
+    """
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+_ids = itertools.count(1)
+
+
+class Request:
+    """One generation in the engine; returned by :meth:`Engine.submit` as the handle to :meth:`Engine.cancel`."""
+
+    def __init__(self, prompt: list[int], params: SamplingParams, callback: Callable[[Event], None],
+                 deadline: Optional[float], tokenizer: Optional[Tokenizer], device: torch.device) -> None:
+        self.id = next(_ids)
+        self.prompt = prompt
+        self.params = params
+        self.callback = callback
+        self.deadline = deadline  # time.monotonic() seconds, or None
+        self.arrival = time.monotonic()
+        self.reserved = len(prompt) + params.max_tokens  # KV columns this request may use
+        self.slot: Optional[int] = None
+        self.length = 0  # tokens in its KV-cache slot
+        self.pending: Optional[int] = None  # sampled, not yet in the cache
+        self.n_generated = 0
+        self.token_ids: list[int] = []
+        self.decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
+        self.text = ""
+        self.emitted = 0  # len(text) already sent
+        self.max_stop = max((len(s) for s in params.stop), default=0)
+        self.cancel_requested = False
+        self.finish_reason: Optional[str] = None
+        self.first_token_time: Optional[float] = None
+        self.last_token_time: Optional[float] = None
+        self.generator: Optional[torch.Generator] = None
+        if params.temperature > 0:
+            self.generator = torch.Generator(device=device)
+            if params.seed is not None:
+                self.generator.manual_seed(params.seed)
+            else:
+                self.generator.seed()  # a fresh nondeterministic seed per request
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of ``text`` that is a proper prefix of a stop string (kept until resolved)."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+class Engine:
+    """A continuous-batching generation engine around one :class:`Transformer` (see the module docstring).
+
+    Args:
+        model: the model, in eval mode; its device and dtype are used as they are. A :class:`Transformer` is
+            wrapped in an (uncompiled) :class:`~minigpt.infer.fastpath.FastPath`, which fuses its projections in place;
+            for the architectures the fast path covers, activations and the cache are float32 whatever the weight
+            dtype.
+        tokenizer: decodes text for streaming and stop strings (None: events carry token ids only, ``stop`` is
+            ignored).
+        max_batch_size: KV-cache slots, i.e. requests decoded together.
+        max_batch_tokens: the most prompt + ``max_tokens`` tokens the running requests may reserve together
+            (default ``max_batch_size * max_seq_len``: no limit beyond the slots).
+        max_queue: requests that may wait for a slot; :meth:`submit` raises :class:`QueueFull` beyond.
+        max_prefill_tokens: the most (padded) prompt tokens prefilled in one forward between two decode steps
+            (default ``max(max_seq_len, 1024)``; a longer single prompt is still prefilled, alone), bounding how
+            long running requests wait for new ones.
+        stop_ids: token ids that end a generation (default: the tokenizer's EOS, and BOS when it differs, as
+            ``minigpt generate``).
+        metrics: where to count; a fresh :class:`ServingMetrics` by default.
+
+    Memory: ``2 * n_layers * max_batch_size * n_kv_heads * max_seq_len * head_dim`` cache elements.
+    """
+
+    def __init__(self, model: Transformer | FastPath, tokenizer: Optional[Tokenizer] = None, *,
+                 max_batch_size: int = 16, max_batch_tokens: Optional[int] = None, max_queue: int = 256,
+                 max_prefill_tokens: Optional[int] = None, stop_ids: Optional[Sequence[int]] = None,
+                 metrics: Optional[ServingMetrics] = None) -> None:
+        if max_batch_size < 1:
+            raise MiniGPTError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        if max_queue < 0:
+            raise MiniGPTError(f"max_queue must be at least 0, got {max_queue}")
+        c = model.config
+        # The fast path's eager forward computes what the model computes (fp32 logits within 1e-5, tested) with
+        # fused projections and a GQA single-query attention; architectures it does not cover run the model itself.
+        self.model = FastPath(model) if isinstance(model, Transformer) else model
+        self.tokenizer = tokenizer
+        self.max_seq_len = c.max_seq_len
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens or max_batch_size * c.max_seq_len
+        if self.max_batch_tokens < 2:
+            raise MiniGPTError(f"max_batch_tokens must be at least 2, got {self.max_batch_tokens}")
+        self.max_queue = max_queue
+        self.max_prefill_tokens = max_prefill_tokens or max(c.max_seq_len, 1024)
+        if stop_ids is None:
+            stop_ids = []
+            if tokenizer is not None and tokenizer.eos_id is not None:
+                stop_ids.append(tokenizer.eos_id)
+            if tokenizer is not None and tokenizer.bos_id is not None and tokenizer.bos_id not in stop_ids:
+                stop_ids.append(tokenizer.bos_id)  # llama2.c models mark a new story with BOS
+        self.stop_ids = frozenset(int(i) for i in stop_ids)
+        self.pad_id = 0
+        self.device = model_device(self.model)
+        cache_dtype = self.model.act_dtype if isinstance(self.model, FastPath) else model.tok_embeddings.weight.dtype
+        self.cache = SlotKVCache(c.n_layers, max_batch_size, c.n_kv_heads, c.max_seq_len, c.head_dim, cache_dtype,
+                                 self.device)
+        self.metrics = metrics or ServingMetrics()
+        self.metrics.slots_total.set(max_batch_size)
+        self._cond = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # index == slot; only the worker touches it
+        self._reserved = 0
+        self._closed = False
+        self._stopping = False
+        self._thread: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------------------------------------------ public
+    def validate(self, prompt_len: int, max_tokens: Optional[int]) -> int:
+        """Check a request's size; returns ``max_tokens`` (None: the rest of the context, within the budget).
+
+        Raises :class:`InvalidRequest` naming ``prompt`` or ``max_tokens``.
+        """
+        if prompt_len < 1:
+            raise InvalidRequest("the prompt is empty: give at least one token", "prompt")
+        if prompt_len >= self.max_seq_len:
+            raise InvalidRequest(f"the prompt has {prompt_len} tokens but the model's context is {self.max_seq_len} "
+                                 "tokens, which must also hold at least one generated token", "prompt")
+        room = min(self.max_seq_len, self.max_batch_tokens) - prompt_len
+        if max_tokens is None:
+            if room < 1:
+                raise InvalidRequest(f"the prompt of {prompt_len} tokens leaves no room within max_batch_tokens "
+                                     f"{self.max_batch_tokens}", "prompt")
+            return room
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be a positive integer, got {max_tokens!r}", "max_tokens")
+        if max_tokens >= self.max_seq_len:
+            raise InvalidRequest(f"max_tokens ({max_tokens}) must be below the model's context of "
+                                 f"{self.max_seq_len} tokens", "max_tokens")
+        if prompt_len + max_tokens > self.max_seq_len:
+            raise InvalidRequest(f"the prompt of {prompt_len} tokens + max_tokens {max_tokens} exceeds the model's "
+                                 f"context of {self.max_seq_len} tokens", "max_tokens")
+        if prompt_len + max_tokens > self.max_batch_tokens:
+            raise InvalidRequest(f"the prompt of {prompt_len} tokens + max_tokens {max_tokens} exceeds the server's "
+                                 f"max_batch_tokens {self.max_batch_tokens}", "max_tokens")
+        return max_tokens
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams,
+               callback: Optional[Callable[[Event], None]] = None, timeout: Optional[float] = None) -> Request:
+        """Queue a request. ``callback(event)`` runs on the worker thread after each token (it must be quick and
+        must not block); without one, read events with :meth:`events`. ``timeout``: seconds from now until the
+        request is finished with ``"timeout"``.
+
+        Raises :class:`InvalidRequest` (never runnable), :class:`QueueFull` or :class:`EngineClosed`.
+        """
+        prompt = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
+        max_tokens = self.validate(len(prompt), params.max_tokens)
+        if max_tokens != params.max_tokens:
+            params = SamplingParams(max_tokens, params.temperature, params.top_k, params.top_p, params.stop,
+                                    params.seed)
+        inbox: Optional[queue.SimpleQueue] = None
+        if callback is None:
+            inbox = queue.SimpleQueue()
+            callback = inbox.put
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        req = Request(prompt, params, callback, deadline, self.tokenizer, self.device)
+        req.inbox = inbox  # type: ignore[attr-defined]
+        with self._cond:
+            if self._closed:
+                raise EngineClosed("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"the wait queue is full ({self.max_queue} requests); retry later")
+            self._waiting.append(req)
+            self.metrics.queue_depth.set(len(self._waiting))
+            self._cond.notify_all()
+        return req
+
+    def events(self, req: Request, timeout: Optional[float] = None) -> Iterator[Event]:
+        """Yield the events of a request submitted without a callback until its last one; needs the worker
+        (:meth:`start`) or someone calling :meth:`step`. Closing the iterator early cancels the request."""
+        inbox = req.inbox  # type: ignore[attr-defined]
+        if inbox is None:
+            raise ValueError("this request was submitted with a callback")
+        done = False
+        try:
+            while True:
+                ev = inbox.get(timeout=timeout)
+                yield ev
+                if ev.finished:
+                    done = True
+                    return
+        finally:
+            if not done:
+                self.cancel(req)
+
+    def generate(self, prompt: Sequence[int], params: SamplingParams, timeout: Optional[float] = None
+                 ) -> Iterator[Event]:
+        """:meth:`submit` + :meth:`events`: stream one request's events (the worker must be running)."""
+        return self.events(self.submit(prompt, params, timeout=timeout))
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request: a waiting one leaves the queue now, a running one frees its slot at the next step.
+        Idempotent; its last event has ``finish_reason="cancelled"``."""
+        with self._cond:
+            if req.finished:
+                return
+            if req in self._waiting:
+                self._waiting.remove(req)
+                self.metrics.queue_depth.set(len(self._waiting))
+                self._finish(req, "cancelled")
+                return
+            req.cancel_requested = True
+            self._cond.notify_all()
+
+    def start(self) -> "Engine":
+        """Start the worker thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="minigpt-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        """True while the worker thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._waiting and not self._running
+
+    def close(self, drain_timeout: float = 0.0) -> None:
+        """Shut down: refuse new requests, let queued and running ones finish for up to ``drain_timeout``
+        seconds, then cancel the rest (with an error saying so) and stop the worker."""
+        with self._cond:
+            self._closed = True
+            deadline = time.monotonic() + drain_timeout
+            while self.alive and (self._waiting or self._running):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(min(left, 0.05))
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        with self._cond:
+            for req in list(self._waiting) + list(self._running):
+                self._finish(req, "cancelled", error="the server shut down before this request finished")
+            self._waiting.clear()
+            self._update_gauges()
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        """Drive :meth:`step` in the calling thread until nothing is left (tests, offline batch generation)."""
+        for _ in range(max_steps):
+            if not self.step():
+                return
+
+    # ------------------------------------------------------------------------------------------------ worker
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._waiting and not self._running:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception as e:  # a bug outside the per-request guards: fail what runs, keep serving
+                log.error("engine step failed:\n%s", traceback.format_exc())
+                for req in list(self._running):
+                    self._finish(req, "error", error=f"internal error: {type(e).__name__}: {e}")
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """One scheduler iteration (see the module docstring); returns False when there was nothing to do."""
+        self._reap()
+        batch = self._admit()
+        if batch:
+            self._prefill(batch)
+        if self._running:
+            self._decode()
+        self._update_gauges()
+        with self._cond:
+            self._cond.notify_all()  # wakes close() waiting for the drain
+        return bool(batch or self._running or self._waiting)
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.queue_depth.set(len(self._waiting))
+        m.running.set(len(self._running))
+        m.slots_used.set(len(self._running))
+        m.tokens_reserved.set(self._reserved)
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        for req in list(self._running):
+            if req.cancel_requested:
+                self._finish(req, "cancelled")
+            elif req.deadline is not None and now >= req.deadline:
+                self._finish(req, "timeout", error="the request timed out")
+        with self._cond:
+            expired = [r for r in self._waiting if r.deadline is not None and now >= r.deadline]
+            for req in expired:
+                self._waiting.remove(req)
+                self._finish(req, "timeout", error="the request timed out waiting for a slot")
+
+    def _admit(self) -> list[Request]:
+        batch: list[Request] = []
+        longest = 0
+        with self._cond:
+            while self._waiting and len(self._running) < self.max_batch_size:
+                req = self._waiting[0]
+                if self._reserved + req.reserved > self.max_batch_tokens:
+                    break
+                padded = max(longest, len(req.prompt)) * (len(batch) + 1)
+                if batch and padded > self.max_prefill_tokens:
+                    break
+                self._waiting.popleft()
+                longest = max(longest, len(req.prompt))
+                req.slot = len(self._running)
+                self._running.append(req)
+                self._reserved += req.reserved
+                batch.append(req)
+        return batch
+
+    def _prefill(self, batch: list[Request]) -> None:
+        try:
+            logits = self._prefill_forward(batch)
+        except Exception as e:
+            if len(batch) == 1:
+                self._fail(batch[0], e)
+                return
+            # Find the request that breaks the batch: run each alone so the others still start.
+            batch, logits = self._one_by_one(batch, lambda i, req: self._prefill_forward([req]))
+            if not batch:
+                return
+        self._sample_and_accept(batch, logits)
+
+    def _one_by_one(self, reqs: list[Request], forward) -> tuple[list[Request], Optional[torch.Tensor]]:
+        """Run ``forward(i, req)`` for each request alone after a batched forward failed: the requests that raise
+        are failed, the others go on. Returns the surviving requests and their logits rows concatenated."""
+        rows, ok, failed = [], [], []
+        for i, req in enumerate(reqs):
+            try:
+                rows.append(forward(i, req))
+                ok.append(req)
+            except Exception as e:
+                failed.append((req, e))
+        for req, e in failed:  # after the loop: failing a request changes the running batch the offsets index
+            self._fail(req, e)
+        return ok, (torch.cat(rows) if rows else None)
+
+    def _prefill_forward(self, reqs: list[Request]) -> torch.Tensor:
+        """Last-position logits ``[len(reqs), vocab]`` after writing the prompts into the requests' slots."""
+        offset = reqs[0].slot
+        assert all(r.slot == offset + i for i, r in enumerate(reqs)), "prefill rows must be consecutive slots"
+        lens = [len(r.prompt) for r in reqs]
+        longest = max(lens)
+        x = torch.full((len(reqs), longest), self.pad_id, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            x[i, :lens[i]] = torch.tensor(r.prompt, dtype=torch.long)
+        x = x.to(self.device)
+        mask = None
+        if min(lens) != longest:  # right padding: pad tokens come after every real one, so causality hides them
+            lens_t = torch.tensor(lens, device=self.device)
+            mask = (torch.arange(longest, device=self.device)[None, :] < lens_t[:, None]).long()
+        self.cache.for_prefill(offset)
+        logits = self.model(x, 0, self.cache, mask)
+        last = logits[torch.arange(len(reqs), device=self.device), torch.tensor(lens, device=self.device) - 1]
+        for r in reqs:
+            r.length = len(r.prompt)
+        self.metrics.prompt_tokens.inc(sum(lens))
+        return last
+
+    def _decode(self) -> None:
+        reqs = list(self._running)
+        self.metrics.batch_size.observe(len(reqs))
+        try:
+            logits = self._decode_forward(0, reqs)
+        except Exception as e:
+            if len(reqs) == 1:
+                self._fail(reqs[0], e)
+                return
+            reqs, logits = self._one_by_one(reqs, lambda i, req: self._decode_forward(i, [req]))
+            if not reqs:
+                return
+        self._sample_and_accept(reqs, logits)
+
+    def _decode_forward(self, offset: int, reqs: list[Request]) -> torch.Tensor:
+        """Logits ``[len(reqs), vocab]`` of one step for the requests in slots ``offset ..``."""
+        x = torch.tensor([[r.pending] for r in reqs], dtype=torch.long, device=self.device)
+        lens = torch.tensor([r.length for r in reqs], dtype=torch.long, device=self.device)
+        longest = max(r.length for r in reqs)
+        self.cache.for_decode(offset, lens)
+        if len(reqs) == 1:  # alone: exactly the unmasked path of generate_tokens
+            logits = self.model(x, longest, self.cache)
+        else:
+            cols = torch.arange(longest + 1, device=self.device)[None, :]
+            mask = (cols < lens[:, None]) | (cols == longest)
+            logits = self.model(x, longest, self.cache, mask.long())
+        for r in reqs:
+            r.length += 1
+        return logits[:, -1]
+
+    def _sample_and_accept(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        greedy = None
+        if any(r.params.temperature <= 0 for r in reqs):
+            greedy = logits.argmax(dim=-1).tolist()  # one host sync for every greedy row
+        done: list[Request] = []
+        for i, req in enumerate(reqs):
+            try:
+                if req.params.temperature <= 0:
+                    token = greedy[i]
+                else:
+                    p = req.params
+                    token = int(sample(logits[i:i + 1], p.temperature, p.top_k, p.top_p, req.generator)[0])
+                self._accept(req, token)
+            except Exception as e:
+                self._fail(req, e, free=False)
+            if req.finished:
+                done.append(req)
+        for req in done:
+            self._free(req)
+
+    def _accept(self, req: Request, token: int) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        req.n_generated += 1
+        m.generation_tokens.inc()
+        if req.first_token_time is None:
+            req.first_token_time = now
+            m.ttft.observe(now - req.arrival)
+        else:
+            m.tpot.observe(now - req.last_token_time)
+        req.last_token_time = now
+        if token in self.stop_ids:
+            tail = req.decoder.flush() if req.decoder else ""
+            self._push_text(req, tail, [], "stop")  # the stop id is not part of the completion
+            return
+        req.token_ids.append(token)
+        piece = req.decoder.push(token) if req.decoder else ""
+        final = req.n_generated >= req.params.max_tokens
+        if final and req.decoder:
+            piece += req.decoder.flush()
+        self._push_text(req, piece, [token], "length" if final else None)
+        if not req.finished:
+            req.pending = token
+
+    def _push_text(self, req: Request, piece: str, ids: list[int], reason: Optional[str]) -> None:
+        """Append ``piece``, cut at the first stop string, emit what is safe to show."""
+        start = len(req.text)
+        req.text += piece
+        safe = len(req.text)
+        if req.params.stop and req.decoder:
+            lo = max(0, start - req.max_stop + 1)
+            hits = [i for i in (req.text.find(s, lo) for s in req.params.stop) if i >= 0]
+            if hits:
+                req.text = req.text[:min(hits)]
+                safe, reason = len(req.text), "stop"
+            elif reason is None:
+                safe -= _held_back(req.text, req.params.stop)
+        if reason is not None:
+            req.finish_reason = reason
+        text = req.text[req.emitted:safe]
+        req.emitted = max(req.emitted, safe)
+        self._emit(req, Event(text, ids, reason, None, len(req.prompt), req.n_generated))
+        if reason is not None:
+            self.metrics.finished.inc(reason=reason)
+            self.metrics.e2e.observe(time.monotonic() - req.arrival)
+
+    def _emit(self, req: Request, event: Event) -> None:
+        try:
+            req.callback(event)
+        except Exception:  # a consumer's bug must not stop the worker
+            log.error("request %d: event callback failed:\n%s", req.id, traceback.format_exc())
+
+    def _fail(self, req: Request, e: BaseException, free: bool = True) -> None:
+        log.error("request %d failed:\n%s", req.id, "".join(traceback.format_exception(e)))
+        self._finish(req, "error", error=f"{type(e).__name__}: {e}", free=free)
+
+    def _finish(self, req: Request, reason: str, error: Optional[str] = None, free: bool = True) -> None:
+        """End a request that did not end by itself (cancelled, timeout, error): last event, slot freed."""
+        if req.finished:
+            return
+        req.finish_reason = reason
+        self.metrics.finished.inc(reason=reason)
+        self._emit(req, Event("", [], reason, error, len(req.prompt), req.n_generated))
+        if free and req.slot is not None:
+            self._free(req)
+
+    def _free(self, req: Request) -> None:
+        """Give the slot back; the last running request moves into the hole so slots stay ``0 .. n - 1``."""
+        slot = req.slot
+        if slot is None:
+            return
+        last = len(self._running) - 1
+        if slot != last:
+            mover = self._running[last]
+            self.cache.move(last, slot, mover.length)
+            self._running[slot] = mover
+            mover.slot = slot
+        self._running.pop()
+        req.slot = None
+        self._reserved -= req.reserved
