@@ -94,7 +94,7 @@ def test_last_only_prefill_still_caches_every_key_and_value():
             ref = cached_pieces(model, tokens, attention_mask)
             fast = FastPath(model)
             cache = fast.new_kv_cache(3, 30)
-            until = (lambda end: None) if attention_mask is None else (lambda end: attention_mask[:, :end])
+            until = (lambda end: None) if attention_mask is None else (lambda end, m=attention_mask: m[:, :end])
             first = fast(tokens[:, :12], 0, cache, until(12), last_only=True)
             second = fast(tokens[:, 12:20], 12, cache, until(20), last_only=True)
             steps = [fast.decode_step(tokens[:, i:i + 1], i, cache, until(i + 1)) for i in range(20, 30)]

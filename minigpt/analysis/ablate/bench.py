@@ -47,12 +47,12 @@ def _attention_child(impl: str, seq_lens: list[int], heads: int, head_dim: int, 
     for n in seq_lens:
         q, k, v = (torch.randn(1, heads, n, head_dim, requires_grad=True) for _ in range(3))
 
-        def step():
+        def step(q=q, k=k, v=v):
             attend(q, k, v).sum().backward()
 
         saved: dict[int, int] = {}
 
-        def pack(t):
+        def pack(t, saved=saved):
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 

@@ -1,0 +1,133 @@
+"""`minigpt estimate`, `ablate` and `bench`: measurements about models and this machine."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from minigpt.cli.common import add_command, parse_value
+from minigpt.errors import MiniGPTError
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """Estimate parameters, FLOPs per token, KV-cache bytes and training memory of a model, without building it.
+
+    The model is --preset NAME (default tiny), or --config FILE (a training YAML, a MiniGPT or Hugging Face
+    config.json, or a model directory), with --set FIELD=VALUE overrides (model.FIELD=VALUE works too). The report
+    names the accounting behind each number; --json prints everything as JSON.
+    """
+    from minigpt.analysis.estimate import EstimateRequest, estimate, format_report, resolve_config
+
+    overrides = {}
+    for item in args.set or []:
+        if "=" not in item:
+            raise MiniGPTError(f"--set expects FIELD=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        overrides[key.removeprefix("model.")] = parse_value(value)
+    config = resolve_config(args.preset, args.config, overrides)
+    try:
+        request = EstimateRequest(batch=args.batch, context=args.context, train_batch=args.train_batch,
+                                  train_seq_len=args.train_seq_len, dtype=args.dtype)
+    except ValueError as e:
+        raise MiniGPTError(str(e)) from None
+    result = estimate(config, request)
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    return 0
+
+
+def cmd_ablate(args: argparse.Namespace) -> int:
+    """Train architecture variants side by side on Tiny Shakespeare and write docs/ablations.md with plots.
+
+    COMPARISON: norm, norm_position, positions, ffn, heads, attention, tying, moe, or all (default). Every variant
+    of a comparison gets the same training tokens, a fixed seed, and (for architectural comparisons) the same
+    non-embedding parameter count; the baseline is the preset itself and is shared. At --scale tiny each comparison
+    takes a few minutes on 2 CPU cores; small and medium are for bigger machines. Finished runs in --out-dir are
+    reused unless --force.
+    """
+    from minigpt.analysis.ablate.run import AblationSettings, run_ablations
+
+    settings = AblationSettings(out_dir=Path(args.out_dir), docs_dir=Path(args.docs_dir), scale=args.scale,
+                                threads=args.threads, steps=args.steps, seed=args.seed, force=args.force,
+                                data=args.data, command="minigpt ablate " + " ".join(sys.argv[2:]))
+    if args.report_only:
+        from minigpt.analysis.ablate.run import rewrite_report
+
+        print(f"wrote {rewrite_report(settings)}")
+        return 0
+    records = run_ablations(args.comparisons, settings)
+    print(f"wrote {settings.docs_dir / 'ablations.md'} ({records['wall_s'] / 60:.1f} min)")
+    return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    """Benchmark `minigpt serve`: aggregate tokens/s of N concurrent streaming clients vs sequential, and TTFT.
+
+    Starts the server on a free loopback port (from CKPT, or a random-init --preset model when none is given) or
+    uses --url. For each --clients level, sends clients x --rounds greedy streaming completions one after another,
+    then from that many concurrent clients, and prints a markdown table (--json: also the numbers as JSON).
+    """
+    import dataclasses
+
+    from minigpt.analysis.bench.serve import bench_serve
+
+    try:
+        clients = tuple(int(c) for c in args.clients.split(","))
+    except ValueError:
+        raise MiniGPTError(f"--clients takes comma-separated integers, got {args.clients!r}") from None
+    if not clients or min(clients) < 1 or args.rounds < 1 or args.max_tokens < 1 or args.repeats < 1:
+        raise MiniGPTError("--clients, --rounds, --max-tokens and --repeats must be positive")
+    levels = bench_serve(args.ckpt, preset=args.preset, url=args.url, clients=clients, rounds=args.rounds,
+                         max_tokens=args.max_tokens, prompt_words=args.prompt_words, api_key=args.api_key,
+                         threads=args.threads, max_batch_size=args.max_batch_size, repeats=args.repeats)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(level) for level in levels], indent=2))
+    return 0
+
+
+def register(sub) -> None:
+    """Add this module's commands to the ``minigpt`` sub-parsers ``sub``."""
+    p = add_command(sub, "estimate", cmd_estimate)
+    p.add_argument("--preset", help="model preset: tiny, small, medium, llama2-7b (default tiny)")
+    p.add_argument("--config", help="training YAML, config.json or model directory")
+    p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="model config override (repeatable)")
+    p.add_argument("--batch", type=int, default=1, help="decode batch for the KV-cache total")
+    p.add_argument("--context", type=int, help="decode context for the KV-cache total and inference FLOPs "
+                                               "(default max_seq_len)")
+    p.add_argument("--train-batch", dest="train_batch", type=int, default=16)
+    p.add_argument("--train-seq-len", dest="train_seq_len", type=int, help="default max_seq_len")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="training compute dtype (autocast over float32 master weights)")
+    p.add_argument("--json", action="store_true", help="print every figure as JSON")
+
+    p = add_command(sub, "ablate", cmd_ablate)
+    p.add_argument("comparisons", nargs="*", default=["all"], metavar="COMPARISON")
+    p.add_argument("--scale", default="tiny", help="tiny (default), small or medium")
+    p.add_argument("--threads", type=int, default=2, help="torch threads per run (default 2)")
+    p.add_argument("--steps", type=int, help="override the scale's training steps per run")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--data", default="shakespeare", help="bundled corpus or text file (default shakespeare)")
+    p.add_argument("--out-dir", dest="out_dir", default="runs/ablate", help="run directories (default runs/ablate)")
+    p.add_argument("--docs-dir", dest="docs_dir", default="docs", help="where ablations.md and the plots go")
+    p.add_argument("--force", action="store_true", help="retrain runs that already finished")
+    p.add_argument("--report-only", dest="report_only", action="store_true",
+                   help="rewrite the report from the last run's measurements (OUT_DIR/ablations-SCALE.json)")
+
+    from minigpt.analysis.bench.infer import add_bench_parser
+
+    bench = add_bench_parser(sub)
+
+    p = add_command(bench, "serve", cmd_bench_serve)  # the `bench` group comes from minigpt.analysis.bench.infer
+    p.add_argument("ckpt", nargs="?", help="model to serve (default: a random-init --preset model)")
+    p.add_argument("--preset", default="small", help="preset of the random-init model (default small)")
+    p.add_argument("--url", help="benchmark a running server instead of starting one")
+    p.add_argument("--api-key", dest="api_key", help="API key of the server at --url")
+    p.add_argument("--clients", default="1,4,16,32", help="concurrency levels (default 1,4,16,32)")
+    p.add_argument("--rounds", type=int, default=2, help="requests per client at each level (default 2)")
+    p.add_argument("--repeats", type=int, default=1, help="measure each level this many times; report medians")
+    p.add_argument("--max-tokens", dest="max_tokens", type=int, default=64, help="new tokens per request")
+    p.add_argument("--prompt-words", dest="prompt_words", type=int, default=24, help="words per prompt")
+    p.add_argument("--max-batch-size", dest="max_batch_size", type=int, default=None,
+                   help="server slots (default: the largest --clients)")
+    p.add_argument("--threads", type=int, help="torch threads of the server it starts")
+    p.add_argument("--json", action="store_true", help="also print the rows as JSON")

@@ -1,0 +1,88 @@
+"""`minigpt quantize`, `export` and `import`: models between formats."""
+from __future__ import annotations
+
+import argparse
+
+from minigpt.cli.common import add_command
+from minigpt.errors import MiniGPTError
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    """Quantize a model to int8 weight-only (per-output-channel symmetric scales) and save it; every command that
+    takes a checkpoint loads the result as is. Prints the weight bytes before and after."""
+    from minigpt.checkpoint.native import load_model, load_tokenizer, resolve_checkpoint
+    from minigpt.checkpoint.quantized import save_quantized
+    from minigpt.model.quant import quantize_model
+
+    src = resolve_checkpoint(args.ckpt)
+    model = load_model(src)
+    before = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    quantize_model(model)
+    try:
+        tokenizer = load_tokenizer(src)
+    except MiniGPTError:
+        tokenizer = None
+    path = save_quantized(model, args.out, tokenizer)
+    after = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    print(f"wrote {path} ({before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB of tensors)")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Export a model to the Hugging Face or llama.cpp ecosystem.
+
+    --format hf writes a LlamaForCausalLM directory (MixtralForCausalLM for a mixture of experts with experts on
+    every layer and no shared expert; config.json, safetensors, sharded above --max-shard-size,
+    generation_config.json, tokenizer files) that transformers loads offline. --format gguf writes a llama GGUF
+    (OUT ending in .gguf is the file, else OUT/model.gguf) in float32, float16, bfloat16 or q8_0.
+    """
+    from minigpt.checkpoint.convert import export_gguf, export_hf
+    from minigpt.checkpoint.native import resolve_checkpoint
+
+    src = resolve_checkpoint(args.ckpt)
+    if args.format == "hf":
+        path = export_hf(src, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)
+    else:
+        path = export_gguf(src, args.out, dtype=args.dtype)
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    """Import a model into a MiniGPT model directory.
+
+    SRC: a Hugging Face directory (LlamaForCausalLM, MistralForCausalLM without sliding window, Qwen2ForCausalLM;
+    single-file or sharded safetensors; fp32/fp16/bf16), a llama GGUF file, or a llama2.c .bin checkpoint (its
+    tokenizer.model / tok*.bin is taken from the same folder). Every command that takes a checkpoint also accepts
+    SRC directly.
+    """
+    import torch
+
+    from minigpt.checkpoint.native import import_model, resolve_checkpoint
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    path = import_model(resolve_checkpoint(args.src), args.out, args.tokenizer, dtypes[args.dtype])
+    print(f"wrote {path}")
+    return 0
+
+
+def register(sub) -> None:
+    """Add this module's commands to the ``minigpt`` sub-parsers ``sub``."""
+    p = add_command(sub, "quantize", cmd_quantize)
+    p.add_argument("ckpt", help="run dir, checkpoint dir, HF model dir, .gguf or llama2.c .bin")
+    p.add_argument("out", help="output model directory (int8 weights + per-channel scales)")
+
+    p = add_command(sub, "export", cmd_export)
+    p.add_argument("ckpt", help="run dir, checkpoint dir, HF model dir, .gguf or llama2.c .bin")
+    p.add_argument("out", help="output directory (or .gguf file for --format gguf)")
+    p.add_argument("--format", required=True, choices=["hf", "gguf"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "q8_0"],
+                   help="weight type (q8_0: gguf only)")
+    p.add_argument("--max-shard-size", dest="max_shard_size", default="5GB",
+                   help="largest safetensors file for --format hf, e.g. 500MB (default 5GB)")
+
+    p = add_command(sub, "import", cmd_import)
+    p.add_argument("src", help="HF model dir, .gguf file or llama2.c .bin file")
+    p.add_argument("out", help="MiniGPT model directory to write")
+    p.add_argument("--tokenizer", help="tokenizer.json / tokenizer.model to use instead of the source's")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -1,0 +1,166 @@
+"""`minigpt generate` and `minigpt chat`: text from a model, in one shot or as a conversation."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from minigpt.cli.common import add_command
+from minigpt.errors import MiniGPTError
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate text from a checkpoint (a run directory, a checkpoint directory or a Hugging Face Llama directory).
+
+    The prompt is prefilled in one pass, then tokens are decoded one at a time through the KV cache and streamed.
+    Temperature 0 is greedy decoding. Several prompts (--prompt repeated, or --prompt-file with --batch: one prompt
+    per line) are generated together in one left-padded batch, each row stopping on its own; their completions are
+    printed in order, separated by blank lines (--jsonl: one JSON object per prompt).
+
+    Speed: the fast path (fused projections; --no-fast turns it off) runs by default; --compile compiles the
+    single-token step (compile time is printed with --stats); --quantize int8 quantizes the weights at load time
+    (a directory written by `minigpt quantize` is already quantized); --draft CKPT decodes speculatively with a
+    small draft model sharing the tokenizer (--draft-k tokens per round; the output is distributed exactly as
+    without it, and identical when greedy).
+    """
+    import time
+
+    import torch
+
+    from minigpt.checkpoint.native import load_tokenizer, resolve_checkpoint
+    from minigpt.infer.fastpath import load_for_inference
+    from minigpt.infer.generate import generate_batch, generate_tokens
+    from minigpt.runtime import DTYPES, pick_device
+    from minigpt.tokenizer.tokenizer import StreamDecoder
+
+    ckpt = resolve_checkpoint(args.ckpt)
+    device = pick_device(args.device)
+    options = dict(device=device, dtype=DTYPES[args.dtype], quantize=args.quantize, compile=args.compile,
+                   compile_mode=args.compile_mode, fast=not args.no_fast)
+    model = load_for_inference(ckpt, **options)
+    tokenizer = load_tokenizer(ckpt)
+    prompts = _read_prompts(args)
+
+    def encode(text: str) -> list[int]:
+        ids = tokenizer.encode(text)
+        if tokenizer.bos_id is not None and (args.bos or not ids):
+            ids = [tokenizer.bos_id] + ids
+        return ids
+
+    stop_ids = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    if tokenizer.bos_id is not None and tokenizer.bos_id not in stop_ids:
+        stop_ids.append(tokenizer.bos_id)  # llama2.c models mark a new story with BOS
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    out = sys.stdout
+    t0 = time.perf_counter()
+    n_tokens, extra = 0, ""
+    if len(prompts) > 1:
+        if args.draft:
+            raise MiniGPTError("--draft decodes one prompt at a time; give a single prompt")
+        results = generate_batch(model, [encode(p) for p in prompts], args.max_new_tokens, args.temperature,
+                                 args.top_k, args.top_p, args.seed, stop_ids, args.stop or [], tokenizer,
+                                 truncate=args.truncate_prompt)
+        for i, (prompt, r) in enumerate(zip(prompts, results)):
+            n_tokens += len(r.tokens)
+            if args.jsonl:
+                out.write(json.dumps({"index": i, "prompt": prompt, "completion": r.text, "tokens": len(r.tokens),
+                                      "finish_reason": r.finish_reason}, ensure_ascii=False) + "\n")
+            else:
+                out.write(("\n" if i else "") + (prompt if args.echo else "") + r.text + "\n")
+        out.flush()
+    else:
+        ids = encode(prompts[0])
+        if args.draft:
+            from minigpt.infer.speculative import SpeculativeStats, speculative_tokens
+
+            draft = load_for_inference(resolve_checkpoint(args.draft), **options)
+            stats = SpeculativeStats()
+            tokens = speculative_tokens(model, draft, ids, args.max_new_tokens, args.draft_k, args.temperature,
+                                        args.top_k, args.top_p, args.seed, stop_ids, args.truncate_prompt, stats)
+        else:
+            tokens = generate_tokens(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                                     args.seed, stop_ids, truncate=args.truncate_prompt)
+        if args.echo:
+            out.write(prompts[0])
+        decoder = StreamDecoder(tokenizer)
+        text = ""
+        for token in tokens:
+            n_tokens += 1
+            piece = decoder.push(token)
+            text += piece
+            hit = next((s for s in args.stop or [] if s in text), None)
+            if hit is not None:
+                cut = text.index(hit)
+                out.write(piece[: max(0, len(piece) - (len(text) - cut))])
+                break
+            out.write(piece)
+            out.flush()
+        else:
+            out.write(decoder.flush())
+        out.write("\n")
+        out.flush()
+        if args.draft:
+            extra = (f" | speculative: {stats.acceptance_rate:.1%} of {stats.proposed} draft tokens accepted, "
+                     f"{stats.tokens_per_round:.2f} tokens per target forward")
+    if args.stats:
+        seconds = time.perf_counter() - t0
+        compile_s = getattr(model, "compile_seconds", 0.0)
+        print(f"[{n_tokens} tokens in {seconds:.2f} s: {n_tokens / max(seconds, 1e-9):.1f} tokens/s"
+              + (f" (of which compilation {compile_s:.1f} s)" if compile_s else "") + extra + "]", file=sys.stderr)
+    return 0
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts of `generate`: every --prompt, else the --prompt-file (one prompt per line with --batch), else
+    stdin (likewise), else the empty prompt."""
+    if args.prompt:
+        return list(args.prompt)
+    if args.prompt_file:
+        try:
+            text = Path(args.prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise MiniGPTError(f"cannot read prompt file {args.prompt_file}: {e}") from None
+    elif not sys.stdin.isatty():
+        text = sys.stdin.read()
+    else:
+        return [""]
+    if args.batch:
+        prompts = [line for line in text.splitlines() if line.strip()]
+        if not prompts:
+            raise MiniGPTError("--batch: the prompt file has no non-empty line")
+        return prompts
+    return [text]
+
+
+def register(sub) -> None:
+    """Add this module's commands to the ``minigpt`` sub-parsers ``sub``."""
+    p = add_command(sub, "generate", cmd_generate)
+    p.add_argument("ckpt", help="run dir, checkpoint dir, or Hugging Face Llama dir")
+    p.add_argument("--prompt", action="append", help="a prompt; repeat it to generate several prompts as a batch")
+    p.add_argument("--prompt-file", dest="prompt_file")
+    p.add_argument("--batch", action="store_true",
+                   help="each non-empty line of --prompt-file (or stdin) is its own prompt; all run in one batch")
+    p.add_argument("--jsonl", action="store_true", help="batch output as JSON lines (prompt, completion, ...)")
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", dest="top_k", type=int, default=None)
+    p.add_argument("--top-p", dest="top_p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--bos", action="store_true", help="prepend the BOS token to the prompt")
+    p.add_argument("--echo", action="store_true", help="print the prompt before the generated text")
+    p.add_argument("--truncate-prompt", dest="truncate_prompt", action="store_true",
+                   help="drop the oldest prompt tokens instead of failing when the context is too short")
+    p.add_argument("--no-fast", dest="no_fast", action="store_true",
+                   help="run the model's own forward instead of the fused fast path")
+    p.add_argument("--compile", action="store_true", help="torch.compile the single-token decode step")
+    p.add_argument("--compile-mode", dest="compile_mode", default=None,
+                   help="torch.compile mode, e.g. max-autotune-no-cudagraphs (default: inductor's default)")
+    p.add_argument("--quantize", choices=["int8"], help="int8 weight-only quantization at load time")
+    p.add_argument("--draft", metavar="CKPT", help="speculative decoding with this draft model (same tokenizer)")
+    p.add_argument("--draft-k", dest="draft_k", type=int, default=4, help="draft tokens per round (default 4)")
+    p.add_argument("--stats", action="store_true", help="print tokens/s (and compile time, acceptance) to stderr")

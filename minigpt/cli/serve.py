@@ -1,0 +1,93 @@
+"""`minigpt serve` and `minigpt chat`: a model behind the OpenAI-compatible HTTP server, or in the terminal."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from minigpt.cli.common import add_command
+from minigpt.errors import MiniGPTError
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve a model over an OpenAI-compatible HTTP API with continuous batching (FastAPI + uvicorn).
+
+    CKPT: run dir, checkpoint dir, HF model dir, .gguf or llama2.c .bin. Endpoints: POST /v1/completions,
+    POST /v1/chat/completions (streaming with "stream": true), GET /v1/models, /health, /metrics (Prometheus) and
+    a chat page at /. With --api-key (or MINIGPT_API_KEY) every /v1/* request needs "Authorization: Bearer KEY".
+    Up to --max-batch-size requests decode together (one KV-cache slot each) while their prompt + max_tokens stay
+    within --max-batch-tokens; up to --max-queue more wait (429 beyond). SIGTERM finishes running requests (for up
+    to --shutdown-timeout seconds), cancels the rest and exits 0.
+    """
+    import torch
+
+    from minigpt.serve.app import serve
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    api_key = args.api_key if args.api_key is not None else os.environ.get("MINIGPT_API_KEY")
+    for name in ("max_batch_size", "max_queue"):
+        if getattr(args, name) < (1 if name == "max_batch_size" else 0):
+            raise MiniGPTError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    return serve(args.ckpt, host=args.host, port=args.port, api_key=api_key, model_name=args.model_name,
+                 max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
+                 max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens,
+                 request_timeout=args.request_timeout or None, shutdown_timeout=args.shutdown_timeout,
+                 device=args.device, dtype=args.dtype, log_level=args.log_level)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Chat with a model in the terminal, answers streamed as they are generated (no server needed).
+
+    The conversation is rendered with the model's chat template, or a plain "User: ... / Assistant:" one. Type
+    /reset to start over and /quit (or Ctrl-D) to leave; Ctrl-C stops the current answer.
+    """
+    import torch
+
+    from minigpt.serve.chat import run_chat
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return run_chat(args.ckpt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, seed=args.seed, system=args.system, device=args.device, dtype=args.dtype)
+
+
+def register(sub) -> None:
+    """Add this module's commands to the ``minigpt`` sub-parsers ``sub``."""
+    p = add_command(sub, "serve", cmd_serve)
+    p.add_argument("ckpt", help="run dir, checkpoint dir, HF model dir, .gguf or llama2.c .bin")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", dest="api_key", help="require 'Authorization: Bearer KEY' on /v1/* "
+                   "(default: $MINIGPT_API_KEY, else no auth)")
+    p.add_argument("--model-name", dest="model_name", help="the model id clients send (default: the checkpoint's "
+                   "directory or file name)")
+    p.add_argument("--max-batch-size", dest="max_batch_size", type=int, default=16,
+                   help="KV-cache slots = requests decoded together (default 16)")
+    p.add_argument("--max-batch-tokens", dest="max_batch_tokens", type=int, default=None,
+                   help="most prompt + max_tokens tokens the running requests may reserve together "
+                   "(default: max-batch-size x context)")
+    p.add_argument("--max-queue", dest="max_queue", type=int, default=256,
+                   help="requests that may wait for a slot; more get 429 (default 256)")
+    p.add_argument("--max-prefill-tokens", dest="max_prefill_tokens", type=int, default=None,
+                   help="most padded prompt tokens prefilled between two decode steps (default max(context, 1024))")
+    p.add_argument("--request-timeout", dest="request_timeout", type=float, default=600.0,
+                   help="seconds a request may take, queue included (0: no limit; default 600)")
+    p.add_argument("--shutdown-timeout", dest="shutdown_timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for running requests before cancelling them (default 30)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, help="torch intra-op threads of the model worker")
+    p.add_argument("--log-level", dest="log_level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+
+    p = add_command(sub, "chat", cmd_chat)
+    p.add_argument("ckpt", help="run dir, checkpoint dir, HF model dir, .gguf or llama2.c .bin")
+    p.add_argument("--max-tokens", dest="max_tokens", type=int, default=256, help="longest answer in tokens")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", dest="top_k", type=int, default=None)
+    p.add_argument("--top-p", dest="top_p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None, help="turn i samples with seed + i")
+    p.add_argument("--system", help="a system message opening the conversation")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, help="torch intra-op threads")
