@@ -391,7 +391,8 @@ def write_report(records: dict[str, Any], docs_dir: Path) -> Path:
     all_runs = [r for e in records["comparisons"].values() for r in e["runs"]] + [records["seed_check"]]
     unique = {r["spec"]["train"]["out_dir"]: r for r in all_runs if "spec" in r}
     loads = [r[k] for r in all_runs for k in ("load_before", "load_after") if k in r]
-    load = f"{m['load_start'][0]:.2f} at the start and {m['load_end'][0]:.2f} at the end" + (
+    start = m.get("load_before") or m.get("load_start")  # measurements saved before runtime.machine_info
+    load = f"{start[0]:.2f} at the start and {m['load_end'][0]:.2f} at the end" + (
         f", {min(loads):.1f}-{max(loads):.1f} around the training runs" if loads else "")
     out = [
         "# Ablations: the design notes' comparisons, measured",
@@ -403,7 +404,7 @@ def write_report(records: dict[str, Any], docs_dir: Path) -> Path:
         f"per run (OpenMP threads sleep when idle: OMP_WAIT_POLICY={m.get('omp_wait_policy', 'PASSIVE')}), "
         f"torch {m['torch']}. One-minute load average {load}"
         + (" -- the machine was shared with other jobs, so tokens/s and timings are lower and noisier than on an "
-           "idle machine" if max([m["load_start"][0], m["load_end"][0], *loads]) > m["threads"] * 0.75 else "")
+           "idle machine" if max([start[0], m["load_end"][0], *loads]) > m["threads"] * 0.75 else "")
         + ".",
         "",
         f"**Budget** (scale `{s['scale']}`): preset `{b['preset']}` (built with `max_seq_len` = 4 x the context so "
