@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install install-dev demo demo-zh test test-slow clean
+.PHONY: install install-dev demo demo-zh lint test test-slow clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +35,13 @@ demo-zh: install
 	$(VENV)/bin/minigpt train --config minigpt/recipes/tiny-tang-poems.yaml
 	$(VENV)/bin/minigpt generate runs/tiny-tang-poems --prompt "靜夜思" --max-new-tokens 80 --temperature 0.8 --top-k 50 --seed 1 --echo
 
-test: install-dev
+# Lint (pyflakes, isort, bugbear) and the layering contract (pyproject.toml, docs/architecture.md) before the tests.
+lint: install-dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
+
+# pytest exits 5 when it collects no test: make fails on it like on any other non-zero status.
+test: lint
 	$(PY) -m pytest -q
 
 test-slow: install-dev

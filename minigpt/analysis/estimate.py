@@ -28,8 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from minigpt.checkpoint.native import load_config
+from minigpt.errors import MiniGPTError
+from minigpt.interop import hf
 from minigpt.model.accounting import flops_per_token, idle_expert_parameters
-from minigpt.model.config import GATED_FFNS, ModelConfig
+from minigpt.model.config import GATED_FFNS, ModelConfig, preset
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 GIB = 2**30
@@ -286,9 +289,6 @@ def resolve_config(preset_name: Optional[str] = None, config_path: Optional[str]
 
     import yaml
 
-    from minigpt.errors import MiniGPTError
-    from minigpt.interop import hf
-    from minigpt.model.config import preset
 
     overrides = dict(overrides or {})
     try:
@@ -296,7 +296,6 @@ def resolve_config(preset_name: Optional[str] = None, config_path: Optional[str]
             return preset(preset_name or "tiny", **overrides)
         path = Path(config_path)
         if path.is_dir():
-            from minigpt.checkpoint.native import load_config
 
             return dataclasses.replace(load_config(path), **overrides)
         if not path.is_file():

@@ -22,6 +22,8 @@ from safetensors.torch import save_file
 from minigpt.checkpoint.native import atomic_dir, load_chat_template, load_model, load_tokenizer, model_state_dict
 from minigpt.errors import MiniGPTError
 from minigpt.interop import hf
+from minigpt.interop.gguf import write_gguf
+from minigpt.model.quant import is_quantized
 from minigpt.runtime import DTYPES, parse_size
 from minigpt.tokenizer.interop import build_tokenizer, hf_tokenizer_config, vocab_from_file
 
@@ -65,8 +67,6 @@ def _special_ids(tokenizer) -> dict[str, Optional[int]]:
 
 def _float_model(source: str | Path):
     """:func:`load_model`, refusing an int8-quantized directory (its layers have no float weight to export)."""
-    from minigpt.model.quant import is_quantized
-
     model = load_model(source)
     if is_quantized(model):
         raise MiniGPTError(f"{source} holds int8-quantized weights (minigpt.model.quant); export the float checkpoint it "
@@ -120,7 +120,6 @@ def export_gguf(source: str | Path, out: str | Path, dtype: str = "float32") -> 
     ``out`` ending in ``.gguf`` is the file; otherwise it is a directory that receives ``model.gguf``. Returns the
     file written.
     """
-    from minigpt.interop.gguf import write_gguf
 
     model = _float_model(source)
     out = Path(out)

@@ -20,9 +20,13 @@ from minigpt.checkpoint.atomic import FORMAT, atomic_dir, verify_manifest
 from minigpt.checkpoint.quantized import load_quantized
 from minigpt.errors import MiniGPTError
 from minigpt.interop import hf
+from minigpt.interop.gguf import read_gguf, read_gguf_weights, read_vocab
+from minigpt.interop.llama2c import find_tokenizer, read_llama2c
 from minigpt.model.config import ModelConfig
 from minigpt.model.quant import METHOD
 from minigpt.model.transformer import Transformer
+from minigpt.tokenizer.interop import build_tokenizer, read_llama2c_tokenizer
+from minigpt.tokenizer.tokenizer import Tokenizer
 
 
 def model_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
@@ -121,12 +125,10 @@ def read_source(source: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor
     source = Path(source)
     if source.is_file():
         if source.suffix == ".gguf":
-            from minigpt.interop.gguf import read_gguf, read_gguf_weights
 
             gf = read_gguf(source)
             return gf.config, read_gguf_weights(gf)
         if source.suffix == ".bin":
-            from minigpt.interop.llama2c import read_llama2c
 
             return read_llama2c(source)
         raise MiniGPTError(f"{source}: unknown model file type; expected a directory, a .gguf or a llama2.c .bin")
@@ -187,20 +189,15 @@ def load_tokenizer(source: str | Path):
 
     Raises :class:`MiniGPTError` when there is none.
     """
-    from minigpt.tokenizer.interop import build_tokenizer
-    from minigpt.tokenizer.tokenizer import Tokenizer
 
     source = Path(source)
     if source.is_file() and source.suffix == ".gguf":
-        from minigpt.interop.gguf import read_vocab
 
         vocab = read_vocab(source)
         if vocab is None:
             raise MiniGPTError(f"{source} has no tokenizer metadata (tokenizer.ggml.*)")
         return Tokenizer(hf=build_tokenizer(vocab))
     if source.is_file() and source.suffix == ".bin":
-        from minigpt.interop.llama2c import find_tokenizer
-        from minigpt.tokenizer.interop import read_llama2c_tokenizer
 
         found = find_tokenizer(source)
         if found is None:
@@ -220,7 +217,6 @@ def load_chat_template(source: str | Path) -> Optional[str]:
     """The chat template (a Jinja string) stored with a model source, or None."""
     source = Path(source)
     if source.is_file() and source.suffix == ".gguf":
-        from minigpt.interop.gguf import read_vocab
 
         vocab = read_vocab(source)
         return vocab.chat_template if vocab else None
@@ -240,7 +236,6 @@ def import_model(
     The tokenizer comes from ``tokenizer_path`` if given, else from the source (none: the model is written alone);
     a chat template is kept in ``tokenizer_config.json``. Raises :class:`MiniGPTError` for an unreadable source.
     """
-    from minigpt.tokenizer.tokenizer import Tokenizer
 
     model = load_model(source, dtype=dtype)
     if tokenizer_path is not None:

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from minigpt.errors import MiniGPTError
+from minigpt.interop.hf import check_representable
 from minigpt.model.config import ModelConfig
 from minigpt.model.rope import half_to_interleaved, interleaved_to_half
 from minigpt.tokenizer.interop import Vocab
@@ -255,7 +256,6 @@ def write_gguf(
 
     if dtype not in WRITE_TYPES:
         raise MiniGPTError(f"GGUF type {dtype!r} is not supported for writing; choose one of {sorted(WRITE_TYPES)}")
-    from minigpt.interop.hf import check_representable
 
     check_representable(config, "llama GGUF")
     if config.bias:

@@ -9,6 +9,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from minigpt.model.attention import causal_mask, naive_attention
+from minigpt.model.config import ModelConfig, preset
+from minigpt.model.flash_reference import flash_attention
+from minigpt.model.norm import LayerNorm, RMSNorm
+from minigpt.model.transformer import Transformer, lm_loss
+from minigpt.runtime import rss_bytes, run_in_child
+
 ATTENTION_SEQ_LENS = (128, 256, 512, 1024)
 
 
@@ -32,9 +39,6 @@ def _attention_child(impl: str, seq_lens: list[int], heads: int, head_dim: int, 
     import torch
     import torch.nn.functional as F
 
-    from minigpt.model.attention import causal_mask, naive_attention
-    from minigpt.model.flash_reference import flash_attention
-    from minigpt.runtime import rss_bytes
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -70,8 +74,6 @@ def _attention_child(impl: str, seq_lens: list[int], heads: int, head_dim: int, 
 def attention_benchmark(settings, seq_lens=ATTENTION_SEQ_LENS) -> dict[str, Any]:
     """``{impl: [{"seq_len", "seconds", "saved_mb", "peak_above_idle_mb"}...]}`` for a batch of 1 with the scale's
     head count and head size (one spawned process per implementation)."""
-    from minigpt.model.config import preset
-    from minigpt.runtime import run_in_child
 
     cfg = preset(settings.budget()["preset"])
     out = {"heads": cfg.n_heads, "head_dim": cfg.head_dim, "batch": 1, "block_size": 64, "seq_lens": list(seq_lens),
@@ -95,8 +97,6 @@ def _throughput_child(configs: dict[str, dict], batch: int, seq_len: int, thread
     round, so load from other jobs on a shared machine falls on all of them alike. Best round per variant."""
     import torch
 
-    from minigpt.model.config import ModelConfig
-    from minigpt.model.transformer import Transformer, lm_loss
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -134,7 +134,6 @@ def throughput_benchmark(settings, configs: dict[str, dict], key: str, rounds: i
     in one spawned process, plus ``baseline-again``: an identical second baseline whose gap to the first measures
     the timing noise. Cached in ``out_dir`` unless ``settings.force``."""
     configs = {**configs, SPEED_TWIN: configs["baseline"]}
-    from minigpt.runtime import run_in_child
 
     b = settings.budget()
     cache = settings.out_dir / settings.scale / f"throughput-{key}.json"
@@ -156,7 +155,6 @@ def norm_benchmark(settings, config) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from minigpt.model.norm import LayerNorm, RMSNorm
 
     b = settings.budget()
     torch.set_num_threads(settings.threads)

@@ -30,9 +30,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from minigpt.analysis.ablate.bench import attention_benchmark, norm_benchmark, throughput_benchmark
+from minigpt.analysis.ablate.report import write_report
+from minigpt.analysis.estimate import activation_bytes, count_parameters, kv_cache_bytes_per_token
+from minigpt.checkpoint.native import load_model
+from minigpt.data import prepare as data_mod
 from minigpt.errors import MiniGPTError
 from minigpt.model.config import ModelConfig, preset
-from minigpt.runtime import machine_info, run_in_child
+from minigpt.runtime import machine_info, rss_bytes, run_in_child
+from minigpt.tokenizer.tokenizer import Tokenizer
+from minigpt.train.loop import TrainConfig, evaluate, train
 
 
 @dataclass
@@ -115,7 +122,6 @@ def _resolve(value: Any, base: ModelConfig, key: str) -> Any:
 def variant_config(variant: Variant, scale: dict[str, Any], vocab_size: int) -> ModelConfig:
     """The :class:`ModelConfig` of ``variant`` at ``scale``, its FFN width matched to the baseline as
     ``variant.match`` says (see the module docstring)."""
-    from minigpt.analysis.estimate import count_parameters
 
     common = {"vocab_size": vocab_size, "max_seq_len": 4 * scale["seq_len"], "dropout": 0.0}
     base = preset(scale["preset"], **common)
@@ -145,9 +151,6 @@ def _child(spec: dict[str, Any], result_path: str) -> None:
     """Body of a spawned run: train, evaluate at longer contexts if asked, record peak memory; writes JSON."""
     import torch
 
-    from minigpt.analysis.estimate import activation_bytes, count_parameters, kv_cache_bytes_per_token
-    from minigpt.runtime import rss_bytes
-    from minigpt.train.loop import TrainConfig, train
 
     torch.set_num_threads(spec["threads"])
     log = open(Path(spec["train"]["out_dir"]) / "train.log", "w")
@@ -178,9 +181,6 @@ def _context_child(checkpoint: str, data_dir: str, seq_len: int, n_tokens: int, 
     into windows of 1x, 2x and 4x the training context: only the context available to each prediction changes."""
     import torch
 
-    from minigpt.checkpoint.native import load_model
-    from minigpt.data import prepare as data_mod
-    from minigpt.train.loop import evaluate
 
     torch.set_num_threads(threads)
     model = load_model(checkpoint)
@@ -224,8 +224,6 @@ class AblationSettings:
 
 def prepare_data(settings: AblationSettings, vocab_size: int) -> Path:
     """The corpus tokenized once into ``out_dir/data-<vocab>`` (a BPE trained on its training split)."""
-    from minigpt.data import prepare as data_mod
-
     data_dir = settings.out_dir / f"data-{settings.data}-{vocab_size}"
     if not (data_dir / "meta.json").is_file():
         print(f"preparing {settings.data} (BPE {vocab_size}) into {data_dir}", flush=True)
@@ -258,7 +256,6 @@ def run_variant(variant: Variant, comparison: Comparison, settings: AblationSett
             print(f"  {key}: reusing {result_path}", flush=True)
             return _with_context_eval(previous, settings, data_dir, result_path)
     run_dir.mkdir(parents=True, exist_ok=True)
-    from minigpt.analysis.estimate import count_parameters
 
     print(f"  {key}: training {b['steps']} steps, {count_parameters(cfg)['total']:,} parameters", flush=True)
     start = time.perf_counter()
@@ -302,9 +299,6 @@ def _with_context_eval(record: dict[str, Any], settings: AblationSettings, data_
 
 def run_ablations(names: list[str], settings: AblationSettings) -> dict[str, Any]:
     """Run the named comparisons (``["all"]`` = every one), then write the report. Returns all records."""
-    from minigpt.analysis.ablate.bench import attention_benchmark, norm_benchmark, throughput_benchmark
-    from minigpt.analysis.ablate.report import write_report
-
     if not names or names == ["all"]:
         names = list(COMPARISONS)
     unknown = [n for n in names if n not in COMPARISONS]
@@ -313,7 +307,6 @@ def run_ablations(names: list[str], settings: AblationSettings) -> dict[str, Any
     b = settings.budget()
     started = time.time()
     data_dir = prepare_data(settings, b["vocab_size"])
-    from minigpt.tokenizer.tokenizer import Tokenizer
 
     vocab_size = Tokenizer.from_dir(data_dir).vocab_size
     records: dict[str, Any] = {"settings": {**settings.__dict__, "out_dir": str(settings.out_dir),
@@ -348,8 +341,6 @@ def run_ablations(names: list[str], settings: AblationSettings) -> dict[str, Any
 
 def rewrite_report(settings: AblationSettings) -> Path:
     """Regenerate the report and plots from the measurements a previous :func:`run_ablations` saved."""
-    from minigpt.analysis.ablate.report import write_report
-
     path = settings.out_dir / f"ablations-{settings.scale}.json"
     if not path.is_file():
         raise MiniGPTError(f"no measurements at {path}: run `minigpt ablate` first")

@@ -29,7 +29,12 @@ from typing import Optional
 from urllib.parse import urlparse
 from urllib.request import urlopen
 
+from minigpt.checkpoint.native import save_pretrained
+from minigpt.data.sources import BUNDLED
 from minigpt.errors import MiniGPTError
+from minigpt.model.config import preset as preset_config
+from minigpt.model.transformer import Transformer
+from minigpt.tokenizer.tokenizer import train_tokenizer
 
 
 @dataclass
@@ -164,10 +169,6 @@ def random_model(preset: str, directory: Path, corpus_text: str, vocab_size: int
     """Save a random-initialised ``preset`` model with a BPE trained on ``corpus_text`` into ``directory``."""
     import torch
 
-    from minigpt.checkpoint.native import save_pretrained
-    from minigpt.model.config import preset as preset_config
-    from minigpt.model.transformer import Transformer
-    from minigpt.tokenizer.tokenizer import train_tokenizer
 
     tok = train_tokenizer([corpus_text], vocab_size)
     torch.manual_seed(0)
@@ -191,7 +192,6 @@ def bench_serve(source: Optional[str] = None, preset: str = "small", url: Option
     With ``repeats`` > 1 each level is measured that many times (sequential and concurrent alternating) and the
     table shows medians of tokens/s and of the TTFT percentiles.
     """
-    from minigpt.data.sources import BUNDLED
 
     corpus = BUNDLED["shakespeare"].path.read_text(encoding="utf-8")
     n_max = max(clients) * rounds
