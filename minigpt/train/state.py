@@ -14,6 +14,7 @@ Checkpoints are only taken at optimizer-step boundaries, so the gradient-accumul
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -24,10 +25,21 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
+from minigpt.checkpoint import dcp as safe_dcp
 from minigpt.checkpoint.atomic import begin_atomic_dir, commit_atomic_dir, verify_manifest
-from minigpt.checkpoint.native import write_model_files
+from minigpt.checkpoint.native import FORMAT, load_config, save_pretrained, write_model_files
 from minigpt.errors import MiniGPTError
+from minigpt.model.transformer import Transformer
+from minigpt.tokenizer.tokenizer import Tokenizer
 from minigpt.train import distributed as dist_mod
 
 
@@ -59,8 +71,6 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 
 def _dcp_state(model, optimizer) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
     return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
 
 
@@ -96,9 +106,6 @@ def save(out_dir: Path, model, optimizer, tokenizer, state: dict[str, Any], rank
     this rank's sampler and RNG states. On failure the previous checkpoint and ``latest`` stay as they were and
     :class:`MiniGPTError` says so.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
     final = out_dir / "checkpoints" / f"step_{state['step']:07d}"
     tmp = None
     try:
@@ -132,10 +139,6 @@ def save(out_dir: Path, model, optimizer, tokenizer, state: dict[str, Any], rank
 
 
 def _config_json(model) -> str:
-    import json
-
-    from minigpt.checkpoint.native import FORMAT
-
     return json.dumps({"format": FORMAT, **model.config.to_dict()}, indent=2) + "\n"
 
 
@@ -164,11 +167,8 @@ def find_latest(out_dir: Path) -> Optional[Path]:
 
 def load(ckpt: Path, model, optimizer) -> dict[str, Any]:
     """Load model and optimizer (resharded to this world size) from ``ckpt``; returns the trainer state dict."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
     sd = _dcp_state(model, optimizer)
-    dcp.load(sd, checkpoint_id=str(ckpt / "dcp"))
+    safe_dcp.load(sd, ckpt / "dcp")  # never pickle.load a file from disk
     set_model_state_dict(model, sd["model"])
     set_optimizer_state_dict(model, optimizer, sd["optim"])
     return torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)
@@ -176,18 +176,13 @@ def load(ckpt: Path, model, optimizer) -> dict[str, Any]:
 
 def consolidate(ckpt: Path, out: Path) -> Path:
     """Turn a (sharded) training checkpoint into a normal single-file model directory, in one process."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from minigpt.checkpoint.native import load_config, save_pretrained
-    from minigpt.model.transformer import Transformer
-    from minigpt.tokenizer.tokenizer import Tokenizer
 
     if not (ckpt / "dcp").is_dir():
         raise MiniGPTError(f"{ckpt} has no dcp/ directory: it is not a training checkpoint")
     verify_manifest(ckpt)
     model = Transformer(load_config(ckpt))
     sd = {"model": get_model_state_dict(model)}
-    dcp.load(sd, checkpoint_id=str(ckpt / "dcp"))
+    safe_dcp.load(sd, ckpt / "dcp")  # never pickle.load a file from disk
     set_model_state_dict(model, sd["model"])
     return save_pretrained(model, out, Tokenizer.from_dir(ckpt))
