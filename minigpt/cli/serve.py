@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
+import sys
 
 from minigpt.cli.common import add_command
 from minigpt.errors import MiniGPTError
@@ -25,6 +27,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     api_key = args.api_key if args.api_key is not None else os.environ.get("MINIGPT_API_KEY")
+    if api_key is not None and not api_key.strip():
+        # An empty key used to switch authentication off without a word: a typo must not open the server.
+        source = "--api-key" if args.api_key is not None else "MINIGPT_API_KEY"
+        raise MiniGPTError(f"{source} is empty; give a non-empty key, or leave it unset to serve without one")
+    if api_key is None and not _is_loopback(args.host):
+        print(f"warning: serving on {args.host} without an API key: anyone who can reach this address can use the "
+              "model; set --api-key or MINIGPT_API_KEY", file=sys.stderr)
     for name in ("max_batch_size", "max_queue"):
         if getattr(args, name) < (1 if name == "max_batch_size" else 0):
             raise MiniGPTError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -33,6 +42,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens,
                  request_timeout=args.request_timeout or None, shutdown_timeout=args.shutdown_timeout,
                  device=args.device, dtype=args.dtype, log_level=args.log_level)
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the server on this machine (``localhost``, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
