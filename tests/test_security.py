@@ -78,3 +78,16 @@ def test_resume_refuses_a_crafted_index(trained_run, tiny_data, tmp_path):
     with pytest.raises(MiniGPTError, match="refusing to load it"):
         _run(tiny_data, run, max_steps=4, resume=True)
     assert not marker.exists()
+
+
+def test_gguf_with_arrays_nested_100k_deep_is_one_line_error(tmp_path):
+    import struct
+
+    key = b"general.architecture"
+    body = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<I", 9)
+    body += struct.pack("<IQ", 9, 1) * 100_000 + struct.pack("<IQ", 0, 1) + b"\x00"  # ARRAY of ARRAY of ... of UINT8
+    path = tmp_path / "nested.gguf"
+    path.write_bytes(body)
+    assert_one_line_error(run_cli("generate", path, "--prompt", "hi"), "nests arrays too deeply")
+    assert_one_line_error(run_cli("import", path, tmp_path / "out"), "nests arrays too deeply")
+    assert not (tmp_path / "out").exists()

@@ -102,7 +102,10 @@ def _open(path: str | Path):
             raise MiniGPTError(f"{path}: unknown GGUF quantization type ({message}); supported: "
                                f"{', '.join(READ_TYPES)}") from None
         raise MiniGPTError(f"{path} is not a valid GGUF file or is truncated ({message})") from None
-    except (IndexError, KeyError, OSError, UnicodeDecodeError, OverflowError) as e:
+    except RecursionError:
+        # The gguf package reads nested arrays recursively; a crafted file nests them 100k deep.
+        raise MiniGPTError(f"{path} is not a valid GGUF file: its metadata nests arrays too deeply to read") from None
+    except (IndexError, KeyError, OSError, UnicodeDecodeError, OverflowError, MemoryError) as e:
         raise MiniGPTError(f"{path} is not a valid GGUF file or is truncated ({type(e).__name__}: {e})") from None
 
 
