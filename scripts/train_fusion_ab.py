@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from minigpt.model import attention, ffn
+from minigpt.model import attention, ffn, rope
 from minigpt.model.config import preset
 from minigpt.model.transformer import Transformer
 
@@ -29,7 +29,7 @@ def fused_attention(self, x, cos, sin, start_pos=0, kv_cache=None, mask=None, al
     qkv = F.linear(x, torch.cat([self.wq.weight, self.wk.weight, self.wv.weight]))
     qkv = qkv.view(batch, seq_len, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
     q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
-    q, k = attention.apply_rope(q, cos, sin), attention.apply_rope(k, cos, sin)
+    q, k = rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
     return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 

@@ -72,12 +72,14 @@ def test_missing_checkpoint_directory(tmp_path):
 def test_generate_greedy_streams_the_same_text_as_the_library(tiny_ckpt):
     from minigpt.checkpoint.native import load_model
     from minigpt.infer.generate import generate_tokens
+    from minigpt.infer.sampling import SamplingParams
 
     proc = run_cli("generate", tiny_ckpt, "--prompt", "ROMEO:", "--max-new-tokens", 20, "--temperature", 0)
     assert proc.returncode == 0, proc.stderr
     tok = Tokenizer.from_dir(tiny_ckpt)
     model = load_model(tiny_ckpt)
-    ids = list(generate_tokens(model, tok.encode("ROMEO:"), 20, temperature=0.0, stop_ids=[tok.eos_id]))
+    params = SamplingParams(max_tokens=20, temperature=0)
+    ids = list(generate_tokens(model, tok.encode("ROMEO:"), params, stop_ids=[tok.eos_id]))
     assert proc.stdout == tok.decode(ids) + "\n"
 
 

@@ -5,6 +5,7 @@ import torch
 
 from minigpt.infer.fastpath import CACHE_BUCKET, FastPath
 from minigpt.infer.generate import generate_batch, generate_tokens
+from minigpt.infer.sampling import SamplingParams
 from minigpt.model.config import ModelConfig
 from minigpt.model.transformer import Transformer
 
@@ -55,7 +56,8 @@ def three_layers_compiled(tokens: torch.Tensor):
 def test_compiled_decode_step_equals_plain_forward_and_batches():
     model = make()
     prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4]]
-    alone = [list(generate_tokens(model, p, 10)) for p in prompts]
+    greedy = SamplingParams(max_tokens=10, temperature=0)
+    alone = [list(generate_tokens(model, p, greedy)) for p in prompts]
     tokens = torch.randint(0, 61, (2, 30), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         full = model(tokens)
@@ -68,8 +70,8 @@ def test_compiled_decode_step_equals_plain_forward_and_batches():
             pieces.append(compiled.decode_step(tokens[:, i:i + 1], i, cache)[:, None])
     torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=0)
     # Left-padded rows through the compiled step (padding as a tensor): equal to each prompt alone.
-    assert [r.tokens for r in generate_batch(compiled, prompts, 10)] == alone
-    assert [list(generate_tokens(compiled, p, 10)) for p in prompts] == alone
+    assert [r.tokens for r in generate_batch(compiled, prompts, greedy)] == alone
+    assert [list(generate_tokens(compiled, p, greedy)) for p in prompts] == alone
     assert compiled.compile_seconds > 0
     # Shapes seen: batch 2 (the pieces), batch 3 (the padded batch), batch 1 (alone) -- never one per position.
     assert compiled._compiled_shapes == {(2, 1, CACHE_BUCKET), (3, 1, CACHE_BUCKET), (1, 1, CACHE_BUCKET)}
@@ -150,7 +152,8 @@ def test_compiled_steps_run_inside_and_outside_inference_mode():
     with torch.inference_mode():
         full = model(tokens)
     fast = FastPath(model, compile=True)
-    first = generate_batch(fast, [tokens[0, :4].tolist()], 2)[0].tokens  # creates the buffers in inference_mode
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+    first = generate_batch(fast, [tokens[0, :4].tolist()], greedy)[0].tokens  # creates the buffers in inference_mode
     assert len(first) == 2
     cache = fast.new_kv_cache(1, 8)
     with torch.no_grad():

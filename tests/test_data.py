@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from minigpt.data import sources
-from minigpt.data.prepare import BatchSampler, bits_per_byte, eval_windows, load_meta, load_split, prepare
+from minigpt.data.loader import BatchSampler, bits_per_byte, eval_windows, load_meta, load_split
+from minigpt.data.prepare import prepare
 from minigpt.data.sources import BUNDLED, iter_documents, iter_pieces, resolve_source
 from minigpt.errors import MiniGPTError
 from minigpt.tokenizer.tokenizer import Tokenizer, train_tokenizer

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from conftest import CLI_ENV, run_cli
 
+from minigpt.data import pipeline, sources
 from minigpt.data import prepare as data
-from minigpt.data import sources
-from minigpt.data.prepare import load_split, prepare
+from minigpt.data.loader import load_split
+from minigpt.data.prepare import prepare
 from minigpt.data.sources import BUNDLED
 from minigpt.errors import MiniGPTError
 from minigpt.runtime import parse_size
@@ -63,8 +64,8 @@ def small_tok(tmp_path_factory) -> Path:
 @pytest.fixture
 def many_jobs(monkeypatch):
     """Small jobs and no in-process warm-up, so that a few hundred kB of text exercise the worker pool."""
-    monkeypatch.setattr(data, "_JOB_CHARS", 8192)
-    monkeypatch.setattr(data, "_INPROCESS_CHARS", 0)
+    monkeypatch.setattr(pipeline, "_JOB_CHARS", 8192)
+    monkeypatch.setattr(pipeline, "_INPROCESS_CHARS", 0)
 
 
 # ------------------------------------------------------------------------------------------------ workers
@@ -78,13 +79,13 @@ def test_workers_give_identical_output_in_bounded_memory(tmp_path, many_jobs, mo
     corpus = tmp_path / "docs.txt"
     size = write_corpus(corpus, 2_000_000, doc_sep="\n\n\n")
     in_flight = []
-    submit = data._TokenizePipeline._submit
+    submit = pipeline.TokenizePipeline._submit
 
     def spy(self, split):
         submit(self, split)
         in_flight.append(len(self.in_flight))
 
-    monkeypatch.setattr(data._TokenizePipeline, "_submit", spy)
+    monkeypatch.setattr(pipeline.TokenizePipeline, "_submit", spy)
     logs = {1: [], 2: []}
     kwargs = dict(vocab_size=VOCAB, doc_sep="\n\n\n", chunk_bytes=4096)
     meta1 = prepare(corpus, tmp_path / "w1", workers=1, log=logs[1].append, **kwargs)
@@ -118,7 +119,7 @@ def test_bad_worker_and_sample_arguments(tmp_path, small_tok):
 
 def test_progress_lines_without_a_terminal(tmp_path, small_tok, monkeypatch, capsys):
     monkeypatch.setattr(data, "_PROGRESS_INTERVAL_S", 0.0)
-    monkeypatch.setattr(data, "_JOB_CHARS", 100_000)
+    monkeypatch.setattr(pipeline, "_JOB_CHARS", 100_000)
     meta = prepare("shakespeare", tmp_path / "out", tokenizer=small_tok, progress=True, workers=1)
     err = capsys.readouterr().err  # not a terminal here: plain lines instead of a bar
     assert re.search(r"^prepare: tokenizing: [\d.]+ MB of 1\.1 MB \(\d+%\), [\d.]+ MB/s$", err, re.M), err
@@ -148,9 +149,9 @@ def test_exception_midway_leaves_nothing_and_rerun_matches(tmp_path, small_tok, 
     prepare(corpus, reference, tokenizer=small_tok, workers=1)
     out = tmp_path / "out"
     prepare(corpus, out, tokenizer=small_tok, workers=1)  # a previous good run, then an interrupted one over it
-    monkeypatch.setattr(data, "_JOB_CHARS", 20_000)
+    monkeypatch.setattr(pipeline, "_JOB_CHARS", 20_000)
     calls = []
-    job = data._tokenize_job
+    job = pipeline._tokenize_job
 
     def failing_job(*args):
         calls.append(1)
@@ -158,13 +159,13 @@ def test_exception_midway_leaves_nothing_and_rerun_matches(tmp_path, small_tok, 
             raise KeyboardInterrupt  # Ctrl-C half-way
         return job(*args)
 
-    monkeypatch.setattr(data, "_tokenize_job", failing_job)
+    monkeypatch.setattr(pipeline, "_tokenize_job", failing_job)
     with pytest.raises(KeyboardInterrupt):
         prepare(corpus, out, tokenizer=small_tok, workers=1)
     assert not leftovers(out) and not (out / "meta.json").exists()  # no meta: the old .bin files are not trusted
     with pytest.raises(MiniGPTError, match="minigpt prepare"):
         load_split(out, "train")
-    monkeypatch.setattr(data, "_tokenize_job", job)
+    monkeypatch.setattr(pipeline, "_tokenize_job", job)
     prepare(corpus, out, tokenizer=small_tok, workers=1)
     assert outputs(out) == outputs(reference)
 
@@ -191,8 +192,9 @@ def test_concurrent_prepare_into_one_directory_is_refused(tmp_path, small_tok):
 
 KILLED_RUN = """
 import sys
+from minigpt.data import pipeline
 from minigpt.data import prepare as data
-data._JOB_CHARS, data._INPROCESS_CHARS = 8192, 0  # many jobs, pool from the first one
+pipeline._JOB_CHARS, pipeline._INPROCESS_CHARS = 8192, 0  # many jobs, pool from the first one
 data.prepare(sys.argv[1], sys.argv[2], tokenizer=sys.argv[3], workers=2)
 """
 

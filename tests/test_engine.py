@@ -6,9 +6,12 @@ import torch
 from conftest import TINY_MODEL
 from torch import nn
 
-from minigpt.infer.engine import Engine, EngineClosed, InvalidRequest, QueueFull, SamplingParams, SlotKVCache
+from minigpt.infer.engine import Engine
 from minigpt.infer.fastpath import FastPath
 from minigpt.infer.generate import generate_tokens
+from minigpt.infer.kv_cache import SlotKVCache
+from minigpt.infer.request import EngineClosed, QueueFull
+from minigpt.infer.sampling import InvalidRequest, SamplingParams
 from minigpt.model.config import ModelConfig
 from minigpt.model.transformer import Transformer, positions_from_mask
 from minigpt.tokenizer.tokenizer import Tokenizer, train_tokenizer
@@ -25,6 +28,10 @@ def drain(req):
     while not req.inbox.empty():
         out.append(req.inbox.get())
     return out
+
+
+def greedy(max_tokens):
+    return SamplingParams(max_tokens=max_tokens, temperature=0)
 
 
 def tokens_of(events):
@@ -47,7 +54,7 @@ def test_batched_greedy_equals_each_prompt_alone(n_kv_heads):
     engine.run_until_idle()
     for req, p, n in zip(reqs, prompts, budgets):
         events = drain(req)
-        assert tokens_of(events) == list(generate_tokens(model, p, n, temperature=0.0))
+        assert tokens_of(events) == list(generate_tokens(model, p, greedy(n)))
         assert events[-1].finish_reason == "length" and events[-1].completion_tokens == n
     sizes, _, count = engine.metrics.batch_size.snapshot()
     assert count > 0 and sizes[0][1] < count, "some decode steps must have run more than one row"
@@ -87,13 +94,13 @@ def test_batched_greedy_equals_alone_for_architecture_variants(variant):
     reqs = [engine.submit(p, SamplingParams(max_tokens=12, temperature=0)) for p in prompts]
     engine.run_until_idle()
     for req, p in zip(reqs, prompts):
-        assert tokens_of(drain(req)) == list(generate_tokens(model, p, 12, temperature=0.0))
+        assert tokens_of(drain(req)) == list(generate_tokens(model, p, greedy(12)))
 
 
 def test_eos_ends_a_request_and_frees_its_slot():
     model = tiny_model()
     prompt = random_prompts(1, seed=3)[0]
-    ref = list(generate_tokens(model, prompt, 12, temperature=0.0))
+    ref = list(generate_tokens(model, prompt, greedy(12)))
     eos = ref[5]  # make the 6th greedy token the end of text
     engine = Engine(model, max_batch_size=2, stop_ids=[eos])
     other = engine.submit(random_prompts(1, seed=4)[0], SamplingParams(max_tokens=30, temperature=0))
@@ -122,7 +129,7 @@ def test_slots_are_freed_at_once_and_reused():
     assert drain(b)[-1].finish_reason == "cancelled"
     assert engine.metrics.slots_used.value() == 1
     engine.run_until_idle()
-    assert tokens_of(drain(c)) == list(generate_tokens(model, [10, 11, 12, 13], 50, temperature=0.0))
+    assert tokens_of(drain(c)) == list(generate_tokens(model, [10, 11, 12, 13], greedy(50)))
     assert engine.metrics.finished.value(reason="cancelled") == 1
 
 
@@ -130,7 +137,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch_mates():
     model = tiny_model()
     prompt = [3, 4, 5, 6]
     params = SamplingParams(max_tokens=20, temperature=1.0, top_k=50, top_p=0.9, seed=1234)
-    ref = list(generate_tokens(model, prompt, 20, temperature=1.0, top_k=50, top_p=0.9, seed=1234))
+    ref = list(generate_tokens(model, prompt, params))
     alone = Engine(model, max_batch_size=1, stop_ids=[])
     req = alone.submit(prompt, params)
     alone.run_until_idle()
@@ -236,7 +243,7 @@ def test_one_failing_request_does_not_hurt_the_others(tokenizer):
     assert events[-1].finish_reason == "error" and "poisoned" in events[-1].error
     model.forward = real_forward
     for req, p in zip(good + more, prompts):
-        assert tokens_of(drain(req)) == list(generate_tokens(model, p, 15, temperature=0.0))
+        assert tokens_of(drain(req)) == list(generate_tokens(model, p, greedy(15)))
     # A consumer whose callback raises must not stop the worker either.
     broken = engine.submit([1, 2, 3], SamplingParams(max_tokens=3, temperature=0), callback=lambda e: 1 / 0)
     fine = engine.submit([1, 2, 3], SamplingParams(max_tokens=3, temperature=0))
@@ -262,7 +269,7 @@ def test_a_failing_decode_step_is_retried_row_by_row():
     engine.run_until_idle()
     model.forward = real_forward
     for req, p in zip(reqs, ([4, 5], [6, 7, 8])):
-        assert tokens_of(drain(req)) == list(generate_tokens(model, p, 10, temperature=0.0))
+        assert tokens_of(drain(req)) == list(generate_tokens(model, p, greedy(10)))
 
 
 def test_queue_limits_timeouts_and_shutdown():
@@ -289,13 +296,12 @@ def test_worker_thread_streams_and_drains_on_close():
     engine = Engine(model, max_batch_size=2, stop_ids=[]).start()
     try:
         events = list(engine.generate([5, 6, 7], SamplingParams(max_tokens=8, temperature=0), timeout=60))
-        assert tokens_of(events) == list(generate_tokens(model, [5, 6, 7], 8, temperature=0.0))
+        assert tokens_of(events) == list(generate_tokens(model, [5, 6, 7], greedy(8)))
         pending = engine.submit([5, 6], SamplingParams(max_tokens=60, temperature=0))
     finally:
         engine.close(drain_timeout=60)
     assert not engine.alive
-    assert tokens_of(list(engine.events(pending, timeout=5))) == list(generate_tokens(model, [5, 6], 60,
-                                                                                      temperature=0.0))
+    assert tokens_of(list(engine.events(pending, timeout=5))) == list(generate_tokens(model, [5, 6], greedy(60)))
 
 
 @pytest.mark.parametrize("prompt_len, max_tokens, param", [

@@ -14,6 +14,7 @@ from minigpt.checkpoint.convert import export_gguf, export_hf
 from minigpt.checkpoint.native import import_model, load_model, load_tokenizer, model_state_dict, save_pretrained
 from minigpt.errors import MiniGPTError
 from minigpt.infer.generate import generate_tokens
+from minigpt.infer.sampling import SamplingParams
 from minigpt.model.config import ModelConfig
 from minigpt.model.transformer import Transformer
 from minigpt.tokenizer.interop import vocab_from_file
@@ -187,7 +188,8 @@ def test_sentencepiece_vocabulary_through_gguf(tmp_path, shared_data):
     assert vocab.model == "llama" and vocab.tokens[1] == "<s>" and vocab.types[3] == 6  # <0x00> is a BYTE token
     ref = json.loads((folder / "reference_outputs.json").read_text())["greedy"]
     model = load_model(path)
-    out = list(generate_tokens(model, ref["prompt_ids"], 80, stop_ids=[ref["stop_on_token"]]))
+    params = SamplingParams(max_tokens=80, temperature=0)
+    out = list(generate_tokens(model, ref["prompt_ids"], params, stop_ids=[ref["stop_on_token"]]))
     assert out == ref["generated_ids"][:80]
     rebuilt, sp = load_tokenizer(path), load_tokenizer(folder / "hf")
     for text in ["Once upon a time, there was a little girl named Lily.", "She had 123 balls!\nThe end.", "日本"]:

@@ -7,6 +7,7 @@ import torch
 from minigpt.checkpoint.native import load_model, save_pretrained
 from minigpt.errors import MiniGPTError
 from minigpt.infer.generate import generate_tokens
+from minigpt.infer.sampling import SamplingParams
 from minigpt.interop import hf
 from minigpt.model.config import ModelConfig
 from minigpt.model.transformer import Transformer
@@ -86,6 +87,6 @@ def test_stories260k_greedy_matches_reference(shared_data):
     assert top5.indices.tolist() == [i for i, _ in ref["bos_logits_top5"]]
     torch.testing.assert_close(top5.values, torch.tensor([v for _, v in ref["bos_logits_top5"]]), atol=1e-4, rtol=0)
     greedy = ref["greedy"]
-    out = list(generate_tokens(model, greedy["prompt_ids"], greedy["steps_including_bos"] - 1, temperature=0.0,
-                               stop_ids=[greedy["stop_on_token"]]))
+    params = SamplingParams(max_tokens=greedy["steps_including_bos"] - 1, temperature=0)
+    out = list(generate_tokens(model, greedy["prompt_ids"], params, stop_ids=[greedy["stop_on_token"]]))
     assert out == greedy["generated_ids"]

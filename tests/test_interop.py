@@ -14,6 +14,7 @@ from minigpt.checkpoint.convert import export_hf
 from minigpt.checkpoint.native import import_model, load_model, load_tokenizer, save_pretrained
 from minigpt.errors import MiniGPTError
 from minigpt.infer.generate import generate_tokens
+from minigpt.infer.sampling import SamplingParams
 from minigpt.interop import hf
 from minigpt.model.config import ModelConfig
 from minigpt.model.rope import half_to_interleaved, rope_tables
@@ -86,7 +87,8 @@ def test_parity_with_transformers(case):
         theirs = hf_reference(model)(tokens).logits
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
     prompt = tokens[0, :40].tolist()
-    assert list(generate_tokens(model, prompt, 32)) == hf_greedy(model, prompt, 32)
+    greedy = SamplingParams(max_tokens=32, temperature=0)
+    assert list(generate_tokens(model, prompt, greedy)) == hf_greedy(model, prompt, 32)
 
 
 @pytest.mark.parametrize("case", ["rope-linear", "rope-dynamic", "rope-llama3", "rope-yarn"])
@@ -151,8 +153,9 @@ def test_padded_batch_matches_transformers_and_single_rows(case):
     # transformers' batched greedy generation equals ours one prompt at a time
     out = hf_reference(model).generate(tokens, attention_mask=mask, max_new_tokens=32, do_sample=False,
                                        pad_token_id=0)
+    greedy = SamplingParams(max_tokens=32, temperature=0)
     for row, p in enumerate(prompts):
-        assert out[row, tokens.shape[1]:].tolist() == list(generate_tokens(model, p, 32))
+        assert out[row, tokens.shape[1]:].tolist() == list(generate_tokens(model, p, greedy))
 
 
 def test_attention_mask_extends_to_the_kv_cache():
@@ -339,8 +342,8 @@ def test_stories260k_bin_reproduces_reference_greedy(shared_data):
     for k, v in from_hf.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
     greedy = ref["greedy"]
-    out = list(generate_tokens(model, greedy["prompt_ids"], greedy["steps_including_bos"] - 1,
-                               stop_ids=[greedy["stop_on_token"]]))
+    params = SamplingParams(max_tokens=greedy["steps_including_bos"] - 1, temperature=0)
+    out = list(generate_tokens(model, greedy["prompt_ids"], params, stop_ids=[greedy["stop_on_token"]]))
     assert out == greedy["generated_ids"]
     tok = load_tokenizer(folder / "stories260K.bin")  # tok512.model beside it
     assert tok.backend == "sentencepiece" and tok.decode(out).startswith("Once upon a time")

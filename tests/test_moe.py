@@ -167,8 +167,9 @@ def test_mixtral_export_matches_transformers_and_imports_back(tmp_path, kw):
         theirs = ref.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0,
                               attention_mask=torch.ones_like(prompt))[0, 8:].tolist()
     from minigpt.infer.generate import generate_tokens
+    from minigpt.infer.sampling import SamplingParams
 
-    assert list(generate_tokens(model, prompt[0].tolist(), 16, temperature=0)) == theirs
+    assert list(generate_tokens(model, prompt[0].tolist(), SamplingParams(max_tokens=16, temperature=0))) == theirs
     back = load_model(tmp_path / "hf")
     for name, tensor in model.state_dict().items():
         assert torch.equal(back.state_dict()[name], tensor), name

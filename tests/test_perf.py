@@ -7,6 +7,7 @@ import torch
 
 from minigpt.infer.fastpath import FastPath, prepare, supports
 from minigpt.infer.generate import generate_batch, generate_tokens
+from minigpt.infer.sampling import SamplingParams
 from minigpt.model.config import ModelConfig
 from minigpt.model.transformer import Transformer
 
@@ -130,7 +131,7 @@ def test_unsupported_architectures_fall_back_to_the_model():
         fast = FastPath(model)
         assert not fast.fused
         torch.testing.assert_close(fast(tokens), model(tokens), atol=0, rtol=0)
-        assert list(generate_tokens(fast, [1, 2, 3], 5)) == list(generate_tokens(model, [1, 2, 3], 5))
+        assert list(generate_tokens(fast, [1, 2, 3], greedy(5))) == list(generate_tokens(model, [1, 2, 3], greedy(5)))
     with pytest.raises(ValueError, match="alibi"):
         FastPath(model, strict=True)
 
@@ -139,25 +140,29 @@ def test_unsupported_architectures_fall_back_to_the_model():
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13], [4], [20, 21, 22, 23, 24]]
 
 
+def greedy(max_tokens):
+    return SamplingParams(max_tokens=max_tokens, temperature=0)
+
+
 @pytest.mark.parametrize("fast", [False, True], ids=["plain", "fast"])
 def test_batched_variable_length_greedy_equals_one_by_one(fast):
     model = make(n_kv_heads=2)
     gen = FastPath(model) if fast else model
     budgets = [12, 5, 12, 3]
-    alone = [list(generate_tokens(gen, p, n)) for p, n in zip(PROMPTS, budgets)]
-    results = generate_batch(gen, PROMPTS, budgets)
+    alone = [list(generate_tokens(gen, p, greedy(n))) for p, n in zip(PROMPTS, budgets)]
+    results = generate_batch(gen, PROMPTS, greedy(max(budgets)), row_max_tokens=budgets)
     assert [r.tokens for r in results] == alone
     assert [r.finish_reason for r in results] == ["length"] * 4
     # Same prompts in another order and batch composition: each row is still computed as if alone.
-    results = generate_batch(gen, PROMPTS[::-1], budgets[::-1])
+    results = generate_batch(gen, PROMPTS[::-1], greedy(max(budgets)), row_max_tokens=budgets[::-1])
     assert [r.tokens for r in results] == alone[::-1]
 
 
 def test_batch_rows_stop_independently_at_stop_ids():
     model = make(n_kv_heads=2)
-    alone = [list(generate_tokens(model, p, 10)) for p in PROMPTS]
+    alone = [list(generate_tokens(model, p, greedy(10))) for p in PROMPTS]
     stop = alone[1][3]  # row 1 meets this id at step 3; other rows stop at it too if they produce it
-    results = generate_batch(model, PROMPTS, 10, stop_ids=[stop])
+    results = generate_batch(model, PROMPTS, greedy(10), stop_ids=[stop])
     for r, a in zip(results, alone):
         if stop in a:
             assert r.tokens == a[:a.index(stop)] and r.finish_reason == "stop"
@@ -168,9 +173,9 @@ def test_batch_rows_stop_independently_at_stop_ids():
 def test_batch_stop_strings_cut_the_text(tiny_tokenizer_model):
     model, tok = tiny_tokenizer_model
     prompts = [tok.encode("ROMEO:"), tok.encode("Good morrow, my lord")]
-    alone = [tok.decode(list(generate_tokens(model, p, 20))) for p in prompts]
+    alone = [tok.decode(list(generate_tokens(model, p, greedy(20)))) for p in prompts]
     stop = alone[0][2:5]  # a string that row 0 produces
-    results = generate_batch(model, prompts, 20, stop_strings=[stop], tokenizer=tok)
+    results = generate_batch(model, prompts, greedy(20).replace(stop=(stop,)), tokenizer=tok)
     assert results[0].finish_reason == "stop" and results[0].text == alone[0][:alone[0].index(stop)]
     if stop not in alone[1]:
         assert results[1].text == alone[1] and results[1].finish_reason == "length"
@@ -189,12 +194,12 @@ def test_batch_errors_are_clear():
 
     model = make()
     with pytest.raises(MiniGPTError, match="at least one prompt"):
-        generate_batch(model, [], 4)
+        generate_batch(model, [], greedy(4))
     with pytest.raises(MiniGPTError, match="empty"):
-        generate_batch(model, [[1], []], 4)
+        generate_batch(model, [[1], []], greedy(4))
     with pytest.raises(MiniGPTError, match="2 entries for 3 prompts"):
-        generate_batch(model, [[1], [2], [3]], [4, 4])
+        generate_batch(model, [[1], [2], [3]], greedy(4), row_max_tokens=[4, 4])
     with pytest.raises(MiniGPTError, match="tokenizer"):
-        generate_batch(model, [[1]], 4, stop_strings=["x"])
+        generate_batch(model, [[1]], greedy(4).replace(stop=("x",)))
     with pytest.raises(MiniGPTError, match="context"):
-        generate_batch(model, [[1] * 60, [2]], 10)
+        generate_batch(model, [[1] * 60, [2]], greedy(10))

@@ -43,12 +43,14 @@ def expected(ckpt, prompt: str, **load) -> str:
     from minigpt.checkpoint.native import load_tokenizer
     from minigpt.infer.fastpath import load_for_inference
     from minigpt.infer.generate import generate_tokens
+    from minigpt.infer.sampling import SamplingParams
 
     tok = load_tokenizer(ckpt)
     model = load_for_inference(ckpt, fast=False, **load)
     ids = tok.encode(prompt) or [tok.bos_id]
     stop = [i for i in (tok.eos_id, tok.bos_id) if i is not None]
-    return tok.decode(list(generate_tokens(model, ids, 12, 0.0, stop_ids=stop))) + "\n"
+    params = SamplingParams(max_tokens=12, temperature=0)
+    return tok.decode(list(generate_tokens(model, ids, params, stop_ids=stop))) + "\n"
 
 
 def test_batched_prompts_equal_single_runs(ckpts, tmp_path):

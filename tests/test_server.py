@@ -40,13 +40,15 @@ def reference(ckpt):
     """Greedy text of one prompt generated alone, in this process, with the library."""
     from minigpt.checkpoint.native import load_model
     from minigpt.infer.generate import generate_tokens
+    from minigpt.infer.sampling import SamplingParams
     from minigpt.tokenizer.tokenizer import Tokenizer
 
     model = load_model(ckpt)
     tok = Tokenizer.from_dir(ckpt)
 
     def generate(prompt: str, max_tokens: int) -> str:
-        ids = generate_tokens(model, tok.encode(prompt), max_tokens, temperature=0.0, stop_ids=[tok.eos_id])
+        params = SamplingParams(max_tokens=max_tokens, temperature=0)
+        ids = generate_tokens(model, tok.encode(prompt), params, stop_ids=[tok.eos_id])
         return tok.decode(list(ids))
 
     return generate

@@ -7,12 +7,17 @@ import torch
 
 from minigpt.errors import MiniGPTError
 from minigpt.infer.fastpath import FastPath
-from minigpt.infer.generate import generate_tokens, sampling_probs
+from minigpt.infer.generate import generate_tokens
+from minigpt.infer.sampling import SamplingParams, sampling_probs
 from minigpt.infer.speculative import SpeculativeStats, accept_reject, greedy_accept, speculative_tokens
 from minigpt.model.config import ModelConfig
 from minigpt.model.transformer import Transformer
 
 torch.set_num_threads(1)
+
+
+def greedy(max_tokens):
+    return SamplingParams(max_tokens=max_tokens, temperature=0)
 
 
 def make(seed=0, vocab=53, **kw) -> Transformer:
@@ -55,8 +60,8 @@ def test_speculative_greedy_equals_plain_greedy(k, fast):
         target, draft = FastPath(target), FastPath(draft)
     stats = SpeculativeStats()
     for prompt in ([1, 2, 3], [7], list(range(10, 30))):
-        expected = list(generate_tokens(target, prompt, 24))
-        assert list(speculative_tokens(target, draft, prompt, 24, k=k, stats=stats)) == expected
+        expected = list(generate_tokens(target, prompt, greedy(24)))
+        assert list(speculative_tokens(target, draft, prompt, greedy(24), k=k, stats=stats)) == expected
     assert 0 <= stats.accepted <= stats.proposed and stats.rounds > 0
 
 
@@ -67,8 +72,8 @@ def test_speculative_greedy_with_compiled_models_equals_plain_greedy():
     plain = make(0)
     stats = SpeculativeStats()
     for prompt in ([1, 2, 3], list(range(10, 30))):
-        expected = list(generate_tokens(plain, prompt, 24))
-        assert list(speculative_tokens(target, draft, prompt, 24, k=3, stats=stats)) == expected
+        expected = list(generate_tokens(plain, prompt, greedy(24)))
+        assert list(speculative_tokens(target, draft, prompt, greedy(24), k=3, stats=stats)) == expected
     assert any(key[1] == 4 for key in target._compiled_shapes)  # the k + 1 = 4-token verify ran compiled
 
 
@@ -79,33 +84,34 @@ def test_speculative_decoding_runs_without_autograd():
     for model in (target, draft):
         forward = model.forward
         model.forward = lambda *a, _f=forward, **kw: (modes.append(torch.is_inference_mode_enabled()), _f(*a, **kw))[1]
-    list(speculative_tokens(target, draft, [1, 2, 3], 12, k=3))
+    list(speculative_tokens(target, draft, [1, 2, 3], greedy(12), k=3))
     assert modes and all(modes)
 
 
 def test_a_perfect_draft_is_always_accepted():
     target = make(0)
     stats = SpeculativeStats()
-    out = list(speculative_tokens(target, make(0), [3, 4, 5], 20, k=4, stats=stats))
-    assert out == list(generate_tokens(target, [3, 4, 5], 20))
+    out = list(speculative_tokens(target, make(0), [3, 4, 5], greedy(20), k=4, stats=stats))
+    assert out == list(generate_tokens(target, [3, 4, 5], greedy(20)))
     assert stats.acceptance_rate == 1.0 and stats.rounds == 4  # 5 tokens per target forward
 
 
 def test_stop_ids_and_budget():
     target, draft = make(0), make(1, n_layers=1, dim=32)
-    expected = list(generate_tokens(target, [1, 2], 30))
+    expected = list(generate_tokens(target, [1, 2], greedy(30)))
     stop = expected[6]
-    assert list(speculative_tokens(target, draft, [1, 2], 30, k=3, stop_ids=[stop])) == expected[:expected.index(stop)]
-    assert len(list(speculative_tokens(target, draft, [1, 2], 7, k=3))) == 7
+    out = list(speculative_tokens(target, draft, [1, 2], greedy(30), k=3, stop_ids=[stop]))
+    assert out == expected[:expected.index(stop)]
+    assert len(list(speculative_tokens(target, draft, [1, 2], greedy(7), k=3))) == 7
 
 
 def test_errors():
     with pytest.raises(MiniGPTError, match="shared tokenizer"):
-        list(speculative_tokens(make(0), make(1, vocab=50), [1], 4))
+        list(speculative_tokens(make(0), make(1, vocab=50), [1], greedy(4)))
     with pytest.raises(MiniGPTError, match="at least 1"):
-        list(speculative_tokens(make(0), make(1), [1], 4, k=0))
+        list(speculative_tokens(make(0), make(1), [1], greedy(4), k=0))
     with pytest.raises(MiniGPTError, match="context"):
-        list(speculative_tokens(make(0), make(1), [1] * 80, 10, k=8))
+        list(speculative_tokens(make(0), make(1), [1] * 80, greedy(10), k=8))
 
 
 def test_greedy_accept_rule():
@@ -155,10 +161,11 @@ def test_speculative_sampling_matches_the_target_end_to_end():
     target, draft = make(0, vocab=vocab, n_layers=1, dim=32), make(5, vocab=vocab, n_layers=1, dim=16)
     prompt = [1, 2, 3]
     with torch.inference_mode():
-        probs = sampling_probs(target(torch.tensor([prompt]))[0, -1], 0.9, 8)
+        probs = sampling_probs(target(torch.tensor([prompt]))[0, -1], SamplingParams(temperature=0.9, top_k=8))
     counts = torch.zeros(vocab)
     for seed in range(1000):
-        first = next(speculative_tokens(target, draft, prompt, 1, k=2, temperature=0.9, top_k=8, seed=seed))
+        params = SamplingParams(max_tokens=1, temperature=0.9, top_k=8, seed=seed)
+        first = next(speculative_tokens(target, draft, prompt, params, k=2))
         counts[first] += 1
     stat, df = chi_square(counts, probs)
     assert stat < chi_square_critical(df), (stat, df)

@@ -18,9 +18,10 @@ from minigpt.model.config import ModelConfig
 from minigpt.model.transformer import Transformer
 from minigpt.train import state as train_state
 from minigpt.train.distributed import DistInfo
-from minigpt.train.loop import TrainConfig, param_groups, train
+from minigpt.train.loop import TrainConfig, train
 from minigpt.train.schedule import decay_progress, warmup_cosine_lr
 from minigpt.train.state import find_latest as find_resume_checkpoint
+from minigpt.train.trainer import param_groups
 
 
 def test_warmup_cosine_values():

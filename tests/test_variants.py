@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from minigpt.infer.generate import generate_tokens
+from minigpt.infer.sampling import SamplingParams
 from minigpt.model.attention import Attention, causal_mask, naive_attention
 from minigpt.model.config import ModelConfig
 from minigpt.model.flash_reference import flash_attention
@@ -119,7 +120,7 @@ def test_padded_batch_rows_equal_each_row_alone(name):
 def test_generation_through_the_cache_equals_greedy_full_forward(name):
     model = make(**VARIANTS[name])
     prompt = [3, 1, 4, 1, 5]
-    out = list(generate_tokens(model, prompt, 12, temperature=0))
+    out = list(generate_tokens(model, prompt, SamplingParams(max_tokens=12, temperature=0)))
     seq = list(prompt)
     with torch.no_grad():
         for _ in range(12):

@@ -25,7 +25,10 @@ Every number is a closed-form count from :class:`~minigpt.model.config.ModelConf
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 from minigpt.checkpoint.native import load_config
@@ -283,9 +286,6 @@ def resolve_config(preset_name: Optional[str] = None, config_path: Optional[str]
 
     Raises :class:`~minigpt.errors.MiniGPTError` for a missing or unreadable file or an invalid config.
     """
-    import dataclasses
-    import json
-    from pathlib import Path
 
     import yaml
 

@@ -31,13 +31,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from minigpt.checkpoint.native import load_tokenizer, resolve_checkpoint
     from minigpt.infer.fastpath import load_for_inference
     from minigpt.infer.generate import generate_batch, generate_tokens
+    from minigpt.infer.sampling import SamplingParams, check_length
+    from minigpt.infer.stops import StopChecker, default_stop_ids
     from minigpt.runtime import DTYPES, pick_device
-    from minigpt.tokenizer.tokenizer import StreamDecoder
 
     ckpt = resolve_checkpoint(args.ckpt)
     device = pick_device(args.device)
     options = dict(device=device, dtype=DTYPES[args.dtype], quantize=args.quantize, compile=args.compile,
                    compile_mode=args.compile_mode, fast=not args.no_fast)
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, stop=tuple(args.stop or ()), seed=args.seed)
     model = load_for_inference(ckpt, **options)
     tokenizer = load_tokenizer(ckpt)
     prompts = _read_prompts(args)
@@ -46,11 +49,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ids = tokenizer.encode(text)
         if tokenizer.bos_id is not None and (args.bos or not ids):
             ids = [tokenizer.bos_id] + ids
+        # Checked here too, to name the flags (and before --echo prints the prompt).
+        check_length(len(ids), args.max_new_tokens, model.config.max_seq_len, truncate=args.truncate_prompt,
+                     name="max_new_tokens",
+                     hint="shorten the prompt, lower --max-new-tokens, or pass --truncate-prompt")
         return ids
 
-    stop_ids = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-    if tokenizer.bos_id is not None and tokenizer.bos_id not in stop_ids:
-        stop_ids.append(tokenizer.bos_id)  # llama2.c models mark a new story with BOS
+    stop_ids = default_stop_ids(tokenizer)
     if args.seed is not None:
         torch.manual_seed(args.seed)
     out = sys.stdout
@@ -59,8 +64,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if len(prompts) > 1:
         if args.draft:
             raise MiniGPTError("--draft decodes one prompt at a time; give a single prompt")
-        results = generate_batch(model, [encode(p) for p in prompts], args.max_new_tokens, args.temperature,
-                                 args.top_k, args.top_p, args.seed, stop_ids, args.stop or [], tokenizer,
+        results = generate_batch(model, [encode(p) for p in prompts], params, stop_ids=stop_ids, tokenizer=tokenizer,
                                  truncate=args.truncate_prompt)
         for i, (prompt, r) in enumerate(zip(prompts, results)):
             n_tokens += len(r.tokens)
@@ -77,28 +81,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
             draft = load_for_inference(resolve_checkpoint(args.draft), **options)
             stats = SpeculativeStats()
-            tokens = speculative_tokens(model, draft, ids, args.max_new_tokens, args.draft_k, args.temperature,
-                                        args.top_k, args.top_p, args.seed, stop_ids, args.truncate_prompt, stats)
+            tokens = speculative_tokens(model, draft, ids, params, args.draft_k, stop_ids=stop_ids,
+                                        truncate=args.truncate_prompt, stats=stats)
         else:
-            tokens = generate_tokens(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                                     args.seed, stop_ids, truncate=args.truncate_prompt)
+            tokens = generate_tokens(model, ids, params, stop_ids=stop_ids, truncate=args.truncate_prompt)
         if args.echo:
             out.write(prompts[0])
-        decoder = StreamDecoder(tokenizer)
-        text = ""
+        stops = StopChecker(tokenizer, stop=params.stop)  # stop ids end `tokens` already
         for token in tokens:
             n_tokens += 1
-            piece = decoder.push(token)
-            text += piece
-            hit = next((s for s in args.stop or [] if s in text), None)
-            if hit is not None:
-                cut = text.index(hit)
-                out.write(piece[: max(0, len(piece) - (len(text) - cut))])
-                break
-            out.write(piece)
+            out.write(stops.push(token))
             out.flush()
+            if stops.stopped:
+                break
         else:
-            out.write(decoder.flush())
+            out.write(stops.finish())
         out.write("\n")
         out.flush()
         if args.draft:

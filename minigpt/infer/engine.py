@@ -18,188 +18,34 @@ data, so nothing is overwritten) and hands the model columns ``0 .. S``. Masked 
 row computes what it would alone, up to floating-point summation order.
 
 Sampling is per row with the request's own ``torch.Generator``, so a seeded request draws the same tokens whatever
-its batch-mates (and the same as ``generate_tokens`` with that seed). Detokenization (:class:`StreamDecoder`) and
-stop strings run per request in the worker, so a request stopped by a string frees its slot at that token.
+its batch-mates (and the same as ``generate_tokens`` with that seed). Detokenization and stop handling
+(:class:`~minigpt.infer.stops.StopChecker`) run per request in the worker, so a request stopped by a string frees its
+slot at that token. Requests, their events and errors are in :mod:`minigpt.infer.request`.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
 from minigpt.errors import MiniGPTError
 from minigpt.infer.fastpath import FastPath
-from minigpt.infer.generate import model_device, sample
+from minigpt.infer.generate import model_device
+from minigpt.infer.kv_cache import SlotKVCache
 from minigpt.infer.metrics import ServingMetrics
-from minigpt.model.kv_cache import KVCache
+from minigpt.infer.request import EngineClosed, Event, QueueFull, Request
+from minigpt.infer.sampling import InvalidRequest, SamplingParams, check_length, sample
+from minigpt.infer.stops import default_stop_ids
 from minigpt.model.transformer import Transformer
-from minigpt.tokenizer.tokenizer import StreamDecoder, Tokenizer
+from minigpt.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger("minigpt.infer.engine")
-
-
-class InvalidRequest(MiniGPTError):
-    """A request the engine can never run (too long, bad parameters); ``param`` names the offending field."""
-
-    def __init__(self, message: str, param: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class QueueFull(MiniGPTError):
-    """The wait queue holds ``max_queue`` requests already (HTTP 429)."""
-
-
-class EngineClosed(MiniGPTError):
-    """The engine is shutting down and accepts no new requests (HTTP 503)."""
-
-
-class SlotKVCache(KVCache):
-    """A :class:`KVCache` whose batch rows are request slots, each row written at its own column.
-
-    Buffers ``[n_layers, n_slots, n_kv_heads, max_seq_len, head_dim]``. Before each forward the engine says which
-    rows the forward covers (``offset .. offset + batch``) and how to write:
-
-    * :meth:`for_prefill`: like the base class, columns ``start_pos .. start_pos + seq_len`` of every row;
-    * :meth:`for_decode` with per-row lengths ``lens`` (tokens already cached) and ``S = max(lens)``: the single
-      new key/value of row ``i`` goes to column ``lens[i]`` and to column ``S``; returns columns ``0 .. S``.
-    """
-
-    def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
-        super().__init__(n_layers, n_slots, n_kv_heads, max_seq_len, head_dim, dtype, device)
-        self._offset = 0
-        self._lens: Optional[torch.Tensor] = None
-        self._rows: Optional[torch.Tensor] = None
-
-    def for_prefill(self, offset: int) -> None:
-        self._offset, self._lens, self._rows = offset, None, None
-
-    def for_decode(self, offset: int, lens: torch.Tensor) -> None:
-        """``lens``: int64 ``[batch]`` on the cache's device."""
-        self._offset, self._lens = offset, lens
-        self._rows = torch.arange(offset, offset + lens.numel(), device=lens.device)
-
-    def update(self, layer: int, start_pos: int, k: torch.Tensor, v: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, _, seq_len, _ = k.shape
-        end = start_pos + seq_len
-        if end > self.max_seq_len:
-            raise ValueError(f"KV cache overflow: positions up to {end} requested but a slot holds {self.max_seq_len}")
-        rows = slice(self._offset, self._offset + batch)
-        kl, vl = self.k[layer], self.v[layer]
-        if self._lens is None:
-            kl[rows, :, start_pos:end] = k
-            vl[rows, :, start_pos:end] = v
-        else:
-            if seq_len != 1 or batch != self._lens.numel():
-                raise ValueError("a decode step takes exactly one new token per row")
-            # Advanced indices on dims 0 and 2 around a slice: the selection is [batch, n_kv_heads, head_dim].
-            kl[self._rows, :, self._lens] = k[:, :, 0]
-            vl[self._rows, :, self._lens] = v[:, :, 0]
-            kl[rows, :, start_pos] = k[:, :, 0]
-            vl[rows, :, start_pos] = v[:, :, 0]
-        return kl[rows, :, :end], vl[rows, :, :end]
-
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Copy the first ``length`` columns of slot ``src`` into slot ``dst`` (all layers)."""
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request generates. ``temperature`` 0 is greedy; ``top_k`` None/0 and ``top_p`` None/1 are off;
-    ``stop`` strings end the generation (and are not returned); ``seed`` makes sampling reproducible."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: Optional[int] = None
-    top_p: Optional[float] = None
-    stop: tuple[str, ...] = ()
-    seed: Optional[int] = None
-
-
-@dataclass
-class Event:
-    """What a request's consumer receives after each generated token.
-
-    ``text``: the new text that became final (may be ``""``: half a UTF-8 character, or text held back because it
-    could be the start of a stop string). The last event has ``finish_reason``: ``"stop"`` (EOS or a stop string),
-    ``"length"`` (``max_tokens``), ``"cancelled"``, ``"timeout"`` or ``"error"`` (then ``error`` says why).
-    ``completion_tokens`` counts generated tokens, a final EOS included.
-    """
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: Optional[str] = None
-    error: Optional[str] = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-_ids = itertools.count(1)
-
-
-class Request:
-    """One generation in the engine; returned by :meth:`Engine.submit` as the handle to :meth:`Engine.cancel`."""
-
-    def __init__(self, prompt: list[int], params: SamplingParams, callback: Callable[[Event], None],
-                 deadline: Optional[float], tokenizer: Optional[Tokenizer], device: torch.device) -> None:
-        self.id = next(_ids)
-        self.prompt = prompt
-        self.params = params
-        self.callback = callback
-        self.deadline = deadline  # time.monotonic() seconds, or None
-        self.arrival = time.monotonic()
-        self.reserved = len(prompt) + params.max_tokens  # KV columns this request may use
-        self.slot: Optional[int] = None
-        self.length = 0  # tokens in its KV-cache slot
-        self.pending: Optional[int] = None  # sampled, not yet in the cache
-        self.n_generated = 0
-        self.token_ids: list[int] = []
-        self.decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
-        self.text = ""
-        self.emitted = 0  # len(text) already sent
-        self.max_stop = max((len(s) for s in params.stop), default=0)
-        self.cancel_requested = False
-        self.finish_reason: Optional[str] = None
-        self.first_token_time: Optional[float] = None
-        self.last_token_time: Optional[float] = None
-        self.generator: Optional[torch.Generator] = None
-        if params.temperature > 0:
-            self.generator = torch.Generator(device=device)
-            if params.seed is not None:
-                self.generator.manual_seed(params.seed)
-            else:
-                self.generator.seed()  # a fresh nondeterministic seed per request
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-def _held_back(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest end of ``text`` that is a proper prefix of a stop string (kept until resolved)."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
 
 
 class Engine:
@@ -219,8 +65,8 @@ class Engine:
         max_prefill_tokens: the most (padded) prompt tokens prefilled in one forward between two decode steps
             (default ``max(max_seq_len, 1024)``; a longer single prompt is still prefilled, alone), bounding how
             long running requests wait for new ones.
-        stop_ids: token ids that end a generation (default: the tokenizer's EOS, and BOS when it differs, as
-            ``minigpt generate``).
+        stop_ids: token ids that end a generation (default:
+            :func:`~minigpt.infer.stops.default_stop_ids` of the tokenizer).
         metrics: where to count; a fresh :class:`ServingMetrics` by default.
 
     Memory: ``2 * n_layers * max_batch_size * n_kv_heads * max_seq_len * head_dim`` cache elements.
@@ -246,13 +92,7 @@ class Engine:
             raise MiniGPTError(f"max_batch_tokens must be at least 2, got {self.max_batch_tokens}")
         self.max_queue = max_queue
         self.max_prefill_tokens = max_prefill_tokens or max(c.max_seq_len, 1024)
-        if stop_ids is None:
-            stop_ids = []
-            if tokenizer is not None and tokenizer.eos_id is not None:
-                stop_ids.append(tokenizer.eos_id)
-            if tokenizer is not None and tokenizer.bos_id is not None and tokenizer.bos_id not in stop_ids:
-                stop_ids.append(tokenizer.bos_id)  # llama2.c models mark a new story with BOS
-        self.stop_ids = frozenset(int(i) for i in stop_ids)
+        self.stop_ids = frozenset(int(i) for i in (default_stop_ids(tokenizer) if stop_ids is None else stop_ids))
         self.pad_id = 0
         self.device = model_device(self.model)
         cache_dtype = self.model.act_dtype if isinstance(self.model, FastPath) else model.tok_embeddings.weight.dtype
@@ -270,30 +110,19 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------------ public
     def validate(self, prompt_len: int, max_tokens: Optional[int]) -> int:
-        """Check a request's size; returns ``max_tokens`` (None: the rest of the context, within the budget).
+        """Check a request's size against the context (:func:`~minigpt.infer.sampling.check_length`) and
+        ``max_batch_tokens``; returns ``max_tokens`` (None: the rest of the context, within ``max_batch_tokens``).
 
         Raises :class:`InvalidRequest` naming ``prompt`` or ``max_tokens``.
         """
-        if prompt_len < 1:
-            raise InvalidRequest("the prompt is empty: give at least one token", "prompt")
-        if prompt_len >= self.max_seq_len:
-            raise InvalidRequest(f"the prompt has {prompt_len} tokens but the model's context is {self.max_seq_len} "
-                                 "tokens, which must also hold at least one generated token", "prompt")
-        room = min(self.max_seq_len, self.max_batch_tokens) - prompt_len
+        _, budget = check_length(prompt_len, max_tokens, self.max_seq_len)
+        room = self.max_batch_tokens - prompt_len
+        if room < 1:
+            raise InvalidRequest(f"the prompt of {prompt_len} tokens leaves no room within max_batch_tokens "
+                                 f"{self.max_batch_tokens}", "prompt")
         if max_tokens is None:
-            if room < 1:
-                raise InvalidRequest(f"the prompt of {prompt_len} tokens leaves no room within max_batch_tokens "
-                                     f"{self.max_batch_tokens}", "prompt")
-            return room
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be a positive integer, got {max_tokens!r}", "max_tokens")
-        if max_tokens >= self.max_seq_len:
-            raise InvalidRequest(f"max_tokens ({max_tokens}) must be below the model's context of "
-                                 f"{self.max_seq_len} tokens", "max_tokens")
-        if prompt_len + max_tokens > self.max_seq_len:
-            raise InvalidRequest(f"the prompt of {prompt_len} tokens + max_tokens {max_tokens} exceeds the model's "
-                                 f"context of {self.max_seq_len} tokens", "max_tokens")
-        if prompt_len + max_tokens > self.max_batch_tokens:
+            return min(budget, room)
+        if max_tokens > room:
             raise InvalidRequest(f"the prompt of {prompt_len} tokens + max_tokens {max_tokens} exceeds the server's "
                                  f"max_batch_tokens {self.max_batch_tokens}", "max_tokens")
         return max_tokens
@@ -310,17 +139,14 @@ class Engine:
         vocab = self.model.config.vocab_size
         if any(t < 0 or t >= vocab for t in prompt):
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
-        max_tokens = self.validate(len(prompt), params.max_tokens)
-        if max_tokens != params.max_tokens:
-            params = SamplingParams(max_tokens, params.temperature, params.top_k, params.top_p, params.stop,
-                                    params.seed)
+        self.validate(len(prompt), params.max_tokens)
         inbox: Optional[queue.SimpleQueue] = None
         if callback is None:
             inbox = queue.SimpleQueue()
             callback = inbox.put
         deadline = time.monotonic() + timeout if timeout is not None else None
-        req = Request(prompt, params, callback, deadline, self.tokenizer, self.device)
-        req.inbox = inbox  # type: ignore[attr-defined]
+        req = Request(prompt, params, callback, deadline, self.tokenizer, self.stop_ids, self.device)
+        req.inbox = inbox
         with self._cond:
             if self._closed:
                 raise EngineClosed("the server is shutting down")
@@ -334,7 +160,7 @@ class Engine:
     def events(self, req: Request, timeout: Optional[float] = None) -> Iterator[Event]:
         """Yield the events of a request submitted without a callback until its last one; needs the worker
         (:meth:`start`) or someone calling :meth:`step`. Closing the iterator early cancels the request."""
-        inbox = req.inbox  # type: ignore[attr-defined]
+        inbox = req.inbox
         if inbox is None:
             raise ValueError("this request was submitted with a callback")
         done = False
@@ -564,16 +390,15 @@ class Engine:
 
     def _sample_and_accept(self, reqs: list[Request], logits: torch.Tensor) -> None:
         greedy = None
-        if any(r.params.temperature <= 0 for r in reqs):
+        if any(r.params.greedy for r in reqs):
             greedy = logits.argmax(dim=-1).tolist()  # one host sync for every greedy row
         done: list[Request] = []
         for i, req in enumerate(reqs):
             try:
-                if req.params.temperature <= 0:
+                if req.params.greedy:
                     token = greedy[i]
                 else:
-                    p = req.params
-                    token = int(sample(logits[i:i + 1], p.temperature, p.top_k, p.top_p, req.generator)[0])
+                    token = int(sample(logits[i:i + 1], req.params, req.generator)[0])
                 self._accept(req, token)
             except Exception as e:
                 self._fail(req, e, free=False)
@@ -593,40 +418,20 @@ class Engine:
         else:
             m.tpot.observe(now - req.last_token_time)
         req.last_token_time = now
-        if token in self.stop_ids:
-            tail = req.decoder.flush() if req.decoder else ""
-            self._push_text(req, tail, [], "stop")  # the stop id is not part of the completion
-            return
-        req.token_ids.append(token)
-        piece = req.decoder.push(token) if req.decoder else ""
-        final = req.n_generated >= req.params.max_tokens
-        if final and req.decoder:
-            piece += req.decoder.flush()
-        self._push_text(req, piece, [token], "length" if final else None)
-        if not req.finished:
-            req.pending = token
-
-    def _push_text(self, req: Request, piece: str, ids: list[int], reason: Optional[str]) -> None:
-        """Append ``piece``, cut at the first stop string, emit what is safe to show."""
-        start = len(req.text)
-        req.text += piece
-        safe = len(req.text)
-        if req.params.stop and req.decoder:
-            lo = max(0, start - req.max_stop + 1)
-            hits = [i for i in (req.text.find(s, lo) for s in req.params.stop) if i >= 0]
-            if hits:
-                req.text = req.text[:min(hits)]
-                safe, reason = len(req.text), "stop"
-            elif reason is None:
-                safe -= _held_back(req.text, req.params.stop)
+        stops = req.stops
+        text = stops.push(token)  # a stop id or string sets stops.stopped; a stop id is not part of the completion
+        reason = "stop" if stops.stopped else None
+        if reason is None and req.n_generated >= req.params.max_tokens:
+            text += stops.finish()
+            reason = "stop" if stops.stopped else "length"
         if reason is not None:
             req.finish_reason = reason
-        text = req.text[req.emitted:safe]
-        req.emitted = max(req.emitted, safe)
-        self._emit(req, Event(text, ids, reason, None, len(req.prompt), req.n_generated))
-        if reason is not None:
-            self.metrics.finished.inc(reason=reason)
-            self.metrics.e2e.observe(time.monotonic() - req.arrival)
+        self._emit(req, Event(text, [token] if stops.kept else [], reason, None, len(req.prompt), req.n_generated))
+        if reason is None:
+            req.pending = token
+        else:
+            m.finished.inc(reason=reason)
+            m.e2e.observe(time.monotonic() - req.arrival)
 
     def _emit(self, req: Request, event: Event) -> None:
         try:

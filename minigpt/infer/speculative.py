@@ -10,7 +10,7 @@ proposals are accepted left to right by the rule that makes the output distribut
 * if all ``k`` are kept, one more token is drawn from ``p_{k+1}`` (the target scored that position anyway).
 
 Each round therefore yields between 1 and ``k + 1`` tokens for one target forward. ``p`` and ``q`` are the
-distributions after temperature / top-k / top-p (:func:`minigpt.infer.generate.sampling_probs`), so the output follows
+distributions after temperature / top-k / top-p (:func:`minigpt.infer.sampling.sampling_probs`), so the output follows
 the target's *filtered* distribution. Greedy decoding (temperature 0) is the limit where both are one-hot: a
 proposal is kept iff it equals the target's argmax, and the output is the target's own greedy output.
 
@@ -24,15 +24,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from minigpt.errors import MiniGPTError
-from minigpt.infer.generate import (
-    check_length,
-    decode_step,
-    decode_tokens,
-    make_generator,
-    model_device,
-    prefill,
-    sampling_probs,
-)
+from minigpt.infer.generate import decode_step, decode_tokens, make_generator, model_device, prefill
+from minigpt.infer.sampling import SamplingParams, check_length, sampling_probs
 
 
 @dataclass
@@ -98,19 +91,18 @@ def speculative_tokens(
     target,
     draft,
     prompt: Sequence[int],
-    max_new_tokens: int,
+    params: SamplingParams,
     k: int = 4,
-    temperature: float = 0.0,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    seed: Optional[int] = None,
+    *,
     stop_ids: Sequence[int] = (),
     truncate: bool = False,
     stats: Optional[SpeculativeStats] = None,
 ) -> Iterator[int]:
-    """Yield up to ``max_new_tokens`` tokens of ``target`` for ``prompt``, proposed ``k`` at a time by ``draft``
-    (both :class:`~minigpt.model.transformer.Transformer` or :class:`~minigpt.infer.fastpath.FastPath`), stopping after a
-    token in ``stop_ids`` (not yielded). Fills ``stats`` if given.
+    """Yield up to ``params.max_tokens`` tokens of ``target`` for ``prompt`` sampled with ``params``, proposed ``k``
+    at a time by ``draft`` (both :class:`~minigpt.model.transformer.Transformer` or
+    :class:`~minigpt.infer.fastpath.FastPath`), stopping after a token in ``stop_ids`` (not yielded); like
+    :func:`~minigpt.infer.generate.generate_tokens`, ``params.stop`` is the decoding caller's. Fills ``stats`` if
+    given.
 
     Raises :class:`MiniGPTError` when ``k < 1``, the vocabularies differ, or the prompt does not fit either model.
     """
@@ -122,16 +114,17 @@ def speculative_tokens(
     stats = stats if stats is not None else SpeculativeStats()
     context = min(target.config.max_seq_len, draft.config.max_seq_len)
     # The verify forward writes k positions past the last kept token, so the cache needs that much head room.
-    drop = check_length(len(prompt), max_new_tokens + k, context, truncate)
+    max_new_tokens = params.max_tokens
+    drop, _ = check_length(len(prompt), max_new_tokens + k, context, truncate=truncate)
     seq = list(prompt)[drop:]
     device = model_device(target)
-    generator = make_generator(seed, device)
+    generator = make_generator(params.seed, device)
     length = len(seq) + max_new_tokens + k + 1
     t_cache, d_cache = target.new_kv_cache(1, length), draft.new_kv_cache(1, length)
-    greedy = temperature <= 0
+    greedy = params.greedy
 
     def probs(logits: torch.Tensor) -> torch.Tensor:
-        return sampling_probs(logits, temperature, top_k, top_p)
+        return sampling_probs(logits, params)
 
     # The target has seen seq[:-1] (the last token enters with the proposals); the draft has seen seq[:d_len].
     if len(seq) > 1:

@@ -23,7 +23,7 @@ from minigpt.model.config import ModelConfig
 from minigpt.model.flash_reference import flash_attention
 from minigpt.model.kv_cache import KVCache
 from minigpt.model.positions import Alibi
-from minigpt.model.rope import apply_rope
+from minigpt.model.rope import rope_rotate, signed_sine
 
 
 def causal_mask(q_len: int, kv_len: int, device: torch.device | None = None) -> torch.Tensor:
@@ -118,7 +118,8 @@ class Attention(nn.Module):
         alibi: Optional[Alibi] = None,
     ) -> torch.Tensor:
         """``cos``/``sin``: RoPE table rows for positions ``start_pos .. start_pos + seq_len``, ``[seq_len, head_dim]``,
-        or per-row positions ``[batch, 1, seq_len, head_dim]``; both None for models without RoPE.
+        or per-row positions ``[batch, 1, seq_len, head_dim]`` (the plain tables of
+        :func:`~minigpt.model.rope.rope_tables`); both None for models without RoPE.
 
         With ``kv_cache``, this call's keys/values are written at ``start_pos`` and the queries attend to the whole
         cached prefix; without it, ``start_pos`` must be 0. ``mask`` (boolean ``[batch, 1, seq_len, kv_len]``, True =
@@ -130,8 +131,10 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if cos is not None:
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
+            # The tables in the activations' dtype and the sine signed, once for q and k.
+            cos, sin_signed = cos.to(q.dtype), signed_sine(sin).to(q.dtype)
+            q = rope_rotate(q, cos, sin_signed)
+            k = rope_rotate(k, cos, sin_signed)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_id, start_pos, k, v)
         elif start_pos != 0:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from minigpt.model.rope import validate_rope_scaling
+
 
 def swiglu_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float] = None) -> int:
     """SwiGLU hidden width: ``int(2 * 4 * dim / 3)``, optionally scaled, rounded up to ``multiple_of``.
@@ -141,8 +143,6 @@ class ModelConfig:
             if self.pos_encoding != "rope":
                 raise ValueError(f"ModelConfig.rope_scaling rescales RoPE but pos_encoding is "
                                  f"{self.pos_encoding!r}: remove rope_scaling or use pos_encoding='rope'")
-            from minigpt.model.rope import validate_rope_scaling
-
             validate_rope_scaling(self.rope_scaling)
         if self.attention_impl == "flash_reference" and self.attention_dropout > 0:
             raise ValueError("ModelConfig.attention_dropout > 0 is not supported by attention_impl='flash_reference' "

@@ -6,9 +6,31 @@ Names follow the Llama reference: ``w1`` is the first (gate) projection, ``w3`` 
 """
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# The activation of each FFN kind (``ModelConfig.ffn``); the gated kinds apply it to the gate and multiply by the
+# up projection. GELU is the exact (erf) form throughout (Hendrycks & Gimpel 2016, eq. 1; Shazeer 2020, eq. 6).
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "swiglu": F.silu, "geglu": F.gelu, "gelu": F.gelu, "relu": F.relu}
+GATED = frozenset({"swiglu", "geglu"})
+
+
+def ffn_hidden(kind: str, h1: torch.Tensor, h3: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The hidden activations ``[..., hidden_dim]`` of an FFN of ``kind`` (a key of :data:`ACTIVATIONS`):
+    ``act(h1) * h3`` for the gated kinds (``h1 = w1 x`` the gate, ``h3 = w3 x`` the up projection), ``act(h1)``
+    for the plain MLPs. With ``h3`` None a gated kind takes ``h1`` as the fused ``[..., 2 hidden_dim]`` output of
+    one gate-then-up projection (the inference fast path's). The one FFN combination of the package: the modules
+    below and both blocks of the fast path call it."""
+    act = ACTIVATIONS[kind]
+    if kind not in GATED:
+        return act(h1)
+    if h3 is None:
+        h1, h3 = h1.chunk(2, dim=-1)
+    return act(h1) * h3
 
 
 class SwiGLU(nn.Module):
@@ -16,6 +38,8 @@ class SwiGLU(nn.Module):
 
     Shapes: ``[batch, seq_len, dim] -> [batch, seq_len, dim]`` through ``hidden_dim`` channels.
     """
+
+    kind = "swiglu"
 
     def __init__(self, dim: int, hidden_dim: int, bias: bool = False, dropout: float = 0.0) -> None:
         super().__init__()
@@ -25,14 +49,13 @@ class SwiGLU(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+        return self.dropout(self.w2(ffn_hidden(self.kind, self.w1(x), self.w3(x))))
 
 
 class GeGLU(SwiGLU):
     """``w2(gelu(w1 x) * w3 x)``: SwiGLU with the exact (erf) GELU as the gate (Shazeer 2020, eq. 6)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.w2(F.gelu(self.w1(x)) * self.w3(x)))
+    kind = "geglu"
 
 
 class MLP(nn.Module):
@@ -45,13 +68,13 @@ class MLP(nn.Module):
         super().__init__()
         if activation not in ("gelu", "relu"):
             raise ValueError(f"MLP activation must be 'gelu' or 'relu', got {activation!r}")
-        self.activation = F.gelu if activation == "gelu" else F.relu
+        self.kind = activation
         self.w1 = nn.Linear(dim, hidden_dim, bias=bias)
         self.w2 = nn.Linear(hidden_dim, dim, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.w2(self.activation(self.w1(x))))
+        return self.dropout(self.w2(ffn_hidden(self.kind, self.w1(x))))
 
 
 def build_ffn(kind: str, dim: int, hidden_dim: int, bias: bool = False, dropout: float = 0.0) -> nn.Module:

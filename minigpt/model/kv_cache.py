@@ -11,7 +11,13 @@ from torch import nn
 
 
 class KVCache(nn.Module):
-    """Keys and values for every layer: two buffers ``[n_layers, batch, n_kv_heads, max_seq_len, head_dim]``."""
+    """Keys and values for every layer: two buffers ``[n_layers, batch, n_kv_heads, max_seq_len, head_dim]``.
+
+    The base of every cache of the package: the per-layer cache of the compiled decode step and the serving
+    engine's slot cache (:mod:`minigpt.infer.kv_cache`) subclass it, and share its length check
+    (:meth:`check_fits`), its size (:attr:`nbytes`) and, where they write like it, :meth:`update`. ``k[layer]`` /
+    ``v[layer]`` is one layer's ``[batch, n_kv_heads, max_seq_len, head_dim]`` whatever the subclass stores.
+    """
 
     def __init__(
         self,
@@ -24,16 +30,26 @@ class KVCache(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        shape = (n_layers, batch_size, n_kv_heads, max_seq_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.max_seq_len = max_seq_len
         self.batch_size = batch_size
+        self._allocate((n_layers, batch_size, n_kv_heads, max_seq_len, head_dim), dtype, device)
+
+    def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None) -> None:
+        """Create ``self.k``/``self.v`` for ``shape`` ``(n_layers, batch, n_kv_heads, max_seq_len, head_dim)``,
+        zeroed: here two stacked buffers."""
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the cache (keys and values)."""
-        return self.k.numel() * self.k.element_size() * 2
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+    def check_fits(self, end: int) -> None:
+        """Raise ``ValueError`` unless positions ``0 .. end - 1`` fit in the cache (``end <= max_seq_len``)."""
+        if end > self.max_seq_len:
+            raise ValueError(f"KV cache overflow: positions up to {end} requested do not fit in a cache of "
+                             f"{self.max_seq_len}")
 
     def update(
         self, layer: int, start_pos: int, k: torch.Tensor, v: torch.Tensor
@@ -44,11 +60,9 @@ class KVCache(nn.Module):
         Raises ``ValueError`` if the write would run past ``max_seq_len``.
         """
         end = start_pos + k.shape[2]
-        if end > self.max_seq_len:
-            raise ValueError(
-                f"KV cache overflow: positions up to {end} requested but the cache holds {self.max_seq_len}"
-            )
+        self.check_fits(end)
         batch = k.shape[0]
-        self.k[layer, :batch, :, start_pos:end] = k
-        self.v[layer, :batch, :, start_pos:end] = v
-        return self.k[layer, :batch, :, :end], self.v[layer, :batch, :, :end]
+        cache_k, cache_v = self.k[layer], self.v[layer]
+        cache_k[:batch, :, start_pos:end] = k
+        cache_v[:batch, :, start_pos:end] = v
+        return cache_k[:batch, :, :end], cache_v[:batch, :, :end]

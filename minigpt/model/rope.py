@@ -186,7 +186,7 @@ def rope_tables(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Precomputed ``(cos, sin)`` tables, each ``[max_seq_len, head_dim]`` float32.
 
-    Row ``p`` holds the angles ``p * inv_freq`` repeated twice (``cat(freqs, freqs)``), matching ``rotate_half``.
+    Row ``p`` holds the angles ``p * inv_freq`` repeated twice (``cat(freqs, freqs)``): the rotate-half layout.
     For ``dynamic`` scaling these are the rows used while a sequence stays within ``original_max_seq_len``.
     """
     if scaling is None:
@@ -198,21 +198,32 @@ def rope_tables(
     return RopeScaling(head_dim, theta, scaling, max_seq_len).tables(torch.arange(max_seq_len))
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2] -> [-x2, x1]`` on the last dimension (split in two halves)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def signed_sine(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` ``[..., head_dim]`` with the sign of ``rotate_half`` folded in: the first half negated,
+    ``[-sin[:d/2], sin[d/2:]]`` (the table :func:`rope_rotate` takes). Exact: a negation does not round."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[..., head_dim]`` by the angles of its positions: ``x * cos + roll(x, head_dim / 2) *
+    sin_signed``, ``cos`` and ``sin_signed`` (:func:`signed_sine`) broadcastable to ``x`` and in its dtype (the
+    caller casts the tables once, not once per tensor it rotates).
+
+    The one RoPE formula of the package: the model's attention (``[batch, heads, seq_len, head_dim]``) and both
+    blocks of the inference fast path (``[batch, seq_len, heads, head_dim]``, q and k in one pass) call it.
+    It is Hugging Face Llama's ``x * cos + rotate_half(x) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``
+    rewritten as a roll (``[x2, x1]``) times the sine with the first half negated: the same numbers bit for bit (a
+    sign flip does not round), one kernel instead of a negation and a concatenation.
+    """
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[batch, heads, seq_len, head_dim]`` by the angles of its positions.
-
-    ``cos``/``sin`` are the table rows of the absolute positions ``start_pos + i``: ``[seq_len, head_dim]``
-    (shared by the batch) or ``[batch, 1, seq_len, head_dim]`` (per-row positions).
-    """
-    cos = cos.to(x.dtype)
-    sin = sin.to(x.dtype)
-    return x * cos + rotate_half(x) * sin
+    """:func:`rope_rotate` on the plain tables of :func:`rope_tables`: ``x`` ``[batch, heads, seq_len, head_dim]``,
+    ``cos``/``sin`` the rows of its absolute positions, ``[seq_len, head_dim]`` (shared by the batch) or
+    ``[batch, 1, seq_len, head_dim]`` (per-row positions), in any float dtype (cast to ``x``'s)."""
+    return rope_rotate(x, cos.to(x.dtype), signed_sine(sin).to(x.dtype))
 
 
 def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ FFNs, and mixture-of-experts FFNs (:mod:`minigpt.model.moe`).
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,23 @@ from minigpt.model.moe import MoE
 from minigpt.model.norm import LayerNorm, RMSNorm, build_norm
 from minigpt.model.positions import Alibi, alibi_slopes, sinusoidal_table
 from minigpt.model.rope import RopeScaling, rope_tables
+
+
+def pre_norm_residual(h: torch.Tensor, attention_norm: Callable, attention: Callable, ffn_norm: Callable,
+                      feed_forward: Callable, last_only: bool = False) -> torch.Tensor:
+    """The pre-norm residual block (Xiong et al. 2020, "On Layer Normalization in the Transformer Architecture";
+    Llama's): ``h = h + attention(attention_norm(h))``, then ``h + feed_forward(ffn_norm(h))``.
+
+    ``h`` ``[batch, seq_len, dim]``; each argument maps ``[batch, n, dim]`` to ``[batch, n, dim]``, except that with
+    ``last_only`` ``attention`` returns the last position alone, ``[batch, 1, dim]`` (the fast path's
+    last-position prefill), and so does the block. The one block skeleton of the package: :class:`Block` and both
+    blocks of the inference fast path (:mod:`minigpt.infer.fastpath`, over its fused weights) call it.
+    """
+    a = attention(attention_norm(h))
+    if last_only:
+        h = h[:, -1:]
+    h = h + a
+    return h + feed_forward(ffn_norm(h))
 
 
 class Block(nn.Module):
@@ -45,8 +62,9 @@ class Block(nn.Module):
         if self.post_norm:
             h = self.attention_norm(x + self.attention(x, cos, sin, start_pos, kv_cache, mask, alibi))
             return self.ffn_norm(h + self.feed_forward(h))
-        h = x + self.attention(self.attention_norm(x), cos, sin, start_pos, kv_cache, mask, alibi)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return pre_norm_residual(x, self.attention_norm,
+                                 lambda y: self.attention(y, cos, sin, start_pos, kv_cache, mask, alibi),
+                                 self.ffn_norm, self.feed_forward)
 
 
 def positions_from_mask(attention_mask: torch.Tensor, start_pos: int, seq_len: int) -> torch.Tensor:

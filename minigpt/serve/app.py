@@ -11,21 +11,14 @@ Chat Completions endpoints):
 Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with these statuses: 400 invalid
 request (malformed JSON, wrong type or range, unknown or unsupported field, unknown model, prompt or ``max_tokens``
 beyond the context), 401 missing or wrong API key, 404 unknown path, 405 wrong method, 429 wait queue full, 500 a
-failure inside the generation, 503 shutting down, 504 the request timed out. Parameters accepted: ``model``,
-``prompt`` / ``messages``, ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature``, ``top_p``,
-``top_k`` (extension), ``stop``, ``seed``, ``stream``, ``stream_options.include_usage``, ``user`` (ignored). The
-fields ``n``, ``best_of``, ``logprobs``, ``top_logprobs``, ``echo``, ``suffix``, ``presence_penalty``,
-``frequency_penalty``, ``logit_bias``, ``tools``, ``tool_choice``, ``functions``, ``function_call``,
-``response_format`` and ``parallel_tool_calls`` are accepted only with their neutral value (``n: 1``,
-``logprobs: null``/``false``, penalties ``0``, the others ``null``); any other value is a 400 naming the field.
+failure inside the generation, 503 shutting down, 504 the request timed out. The fields each endpoint accepts and
+how they are checked: :mod:`minigpt.serve.schemas`.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
-import math
 import signal
 import socket
 import time
@@ -34,177 +27,40 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator, Optional
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minigpt.checkpoint.native import load_chat_template, load_model, load_tokenizer, resolve_checkpoint
 from minigpt.errors import MiniGPTError
-from minigpt.infer.engine import Engine, EngineClosed, Event, InvalidRequest, QueueFull, SamplingParams
+from minigpt.infer.engine import Engine
 from minigpt.infer.metrics import CONTENT_TYPE
+from minigpt.infer.request import EngineClosed, Event, QueueFull
+from minigpt.infer.sampling import InvalidRequest, SamplingParams
 from minigpt.runtime import DTYPES, pick_device
 from minigpt.serve.chat import ChatFormatter, TemplateRejected
+from minigpt.serve.schemas import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    ApiError,
+    bad_request,
+    check_fields,
+    is_int,
+    parse_messages,
+    parse_sampling,
+    parse_stream_flags,
+    read_json,
+    to_json,
+)
 from minigpt.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger("minigpt.serve.app")
 
 STATIC = Path(__file__).resolve().parent / "static"
 
-NEUTRAL_FIELDS: dict[str, tuple] = {
-    # field: values that ask for nothing we do not do
-    "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0),
-    "echo": (None, False), "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
-    "parallel_tool_calls": (None, True, False),
-}
-COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
-                 "user"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"} | set(NEUTRAL_FIELDS)
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"} | set(NEUTRAL_FIELDS)
-MAX_STOP_STRINGS = 16
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/")
-
-
-class ApiError(Exception):
-    """An error answered as ``{"error": {...}}`` with HTTP ``status``."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: Optional[str] = None,
-                 code: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def _bad(message: str, param: Optional[str] = None, code: Optional[str] = None) -> ApiError:
-    return ApiError(400, message, "invalid_request_error", param, code)
-
-
-# ---------------------------------------------------------------------------------------------------- validation
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: Any) -> bool:
-    return (_is_int(x) or isinstance(x, float)) and math.isfinite(x)
-
-
-def _is_neutral(value: Any, allowed: tuple) -> bool:
-    for v in allowed:
-        if v is None or isinstance(v, bool):
-            if value is v:
-                return True
-        elif isinstance(v, (int, float)):
-            if _is_number(value) and value == v:
-                return True
-        elif type(value) is type(v) and value == v:
-            return True
-    return False
-
-
-def _check_fields(body: dict, allowed: set[str]) -> None:
-    for key in body:
-        if key not in allowed:
-            raise _bad(f"unrecognized request argument supplied: {key}", key, "unknown_parameter")
-    for key, neutral in NEUTRAL_FIELDS.items():
-        if key in body and not _is_neutral(body[key], neutral):
-            raise _bad(f"'{key}' = {_json(body[key])} is not supported by this server (only "
-                       f"{_json(neutral[-1])} is accepted)", key, "unsupported_parameter")
-
-
-def _sampling(body: dict, chat: bool = False) -> tuple[SamplingParams, Optional[int]]:
-    """Sampling parameters of a request body and its ``max_tokens`` (None: not given); the length limits are
-    checked against the prompt later (:meth:`Engine.validate`)."""
-    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = body.get(key)
-    if max_tokens is not None and not _is_int(max_tokens):
-        raise _bad(f"'{key}' must be an integer, got {_json(max_tokens)}", key)
-    if max_tokens is not None and max_tokens < 1:
-        raise _bad(f"'{key}' must be at least 1, got {max_tokens}", key)
-    temperature = body.get("temperature")
-    if temperature is None:
-        temperature = 1.0
-    elif not _is_number(temperature) or not 0 <= temperature <= 2:
-        raise _bad(f"'temperature' must be a number between 0 and 2, got {_json(temperature)}", "temperature")
-    top_p = body.get("top_p")
-    if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
-        raise _bad(f"'top_p' must be a number in (0, 1], got {_json(top_p)}", "top_p")
-    top_k = body.get("top_k")
-    if top_k is not None and (not _is_int(top_k) or top_k < -1):
-        raise _bad(f"'top_k' must be a non-negative integer (0 or -1: off), got {_json(top_k)}", "top_k")
-    stop = body.get("stop")
-    if stop is None:
-        stops: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stops = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stops = tuple(stop)
-    else:
-        raise _bad("'stop' must be a string or a list of strings", "stop")
-    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-        raise _bad(f"'stop' takes at most {MAX_STOP_STRINGS} non-empty strings", "stop")
-    seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise _bad(f"'seed' must be an integer, got {_json(seed)}", "seed")
-    if seed is not None:
-        seed %= 2**63  # torch.Generator takes a 64-bit seed; negative seeds are valid in OpenAI's API
-    # max_tokens is filled in once the prompt length is known.
-    params = SamplingParams(max_tokens=0, temperature=float(temperature),
-                            top_k=top_k if top_k and top_k > 0 else None,
-                            top_p=float(top_p) if top_p is not None and top_p < 1 else None, stop=stops, seed=seed)
-    return params, max_tokens
-
-
-def _stream_flags(body: dict) -> tuple[bool, bool]:
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise _bad(f"'stream' must be a boolean, got {_json(stream)}", "stream")
-    opts = body.get("stream_options")
-    include_usage = False
-    if opts is not None:
-        if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
-            raise _bad("'stream_options' must be an object with at most 'include_usage'", "stream_options")
-        include_usage = opts.get("include_usage") or False
-        if not isinstance(include_usage, bool):
-            raise _bad("'stream_options.include_usage' must be a boolean", "stream_options")
-    return bool(stream), include_usage
-
-
-def _message_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _bad(f"{where}[{i}] must be a text part {{'type': 'text', 'text': ...}} (no images or audio)",
-                           where)
-            parts.append(part["text"])
-        return "".join(parts)
-    raise _bad(f"{where} must be a string or a list of text parts", where)
-
-
-def parse_messages(messages: Any) -> list[dict[str, str]]:
-    """``[{"role", "content"}]`` with string contents; raises :class:`ApiError` naming ``messages[i]...``."""
-    if not isinstance(messages, list) or not messages:
-        raise _bad("'messages' must be a non-empty list of {role, content} objects", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise _bad(f"{where} must be an object", where)
-        unknown = set(m) - {"role", "content", "name"}
-        if unknown:
-            raise _bad(f"{where} has unsupported field(s) {sorted(unknown)}", f"{where}.{sorted(unknown)[0]}")
-        role = m.get("role")
-        if role not in ("system", "developer", "user", "assistant"):
-            raise _bad(f"{where}.role must be one of system, developer, user, assistant; got {_json(role)}",
-                       f"{where}.role")
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": _message_text(m.get("content"), f"{where}.content")})
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------- app
@@ -229,10 +85,6 @@ class _CountRequests:
         finally:
             path = scope.get("path", "")
             self.metrics.requests.inc(endpoint=path if path in ENDPOINTS else "other", status=str(status[0]))
-
-
-def _json(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
 class ServerState:
@@ -262,10 +114,10 @@ class ServerState:
         if model is None:
             return
         if not isinstance(model, str):
-            raise _bad("'model' must be a string", "model")
+            raise bad_request("'model' must be a string", "model")
         if model != self.model_name:
-            raise _bad(f"the model '{model}' does not exist; this server serves '{self.model_name}'", "model",
-                       "model_not_found")
+            raise bad_request(f"the model '{model}' does not exist; this server serves '{self.model_name}'", "model",
+                              "model_not_found")
 
     def prompt_ids(self, prompt: Any) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -275,23 +127,12 @@ class ServerState:
             if not ids and self.tokenizer.bos_id is not None:
                 ids = [self.tokenizer.bos_id]  # as `minigpt generate` does for an empty prompt
             return ids
-        if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
             return list(prompt)
         if isinstance(prompt, list) and len(prompt) > 1:
-            raise _bad("'prompt' holds several prompts; send one per request (n and batches are not supported)",
-                       "prompt")
-        raise _bad("'prompt' must be a string or a non-empty list of token ids", "prompt")
-
-
-async def _read_json(request) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise _bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
-    if not isinstance(body, dict):
-        raise _bad("the request body must be a JSON object", None, "invalid_json")
-    return body
+            raise bad_request("'prompt' holds several prompts; send one per request (n and batches are not supported)",
+                              "prompt")
+        raise bad_request("'prompt' must be a string or a non-empty list of token ids", "prompt")
 
 
 def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: bool = True):
@@ -322,7 +163,7 @@ def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: boo
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, exc):
-        return JSONResponse(_bad(f"invalid request: {exc.errors()}").body(), status_code=400)
+        return JSONResponse(bad_request(f"invalid request: {exc.errors()}").body(), status_code=400)
 
     @app.exception_handler(Exception)
     async def server_error(request, exc):
@@ -354,12 +195,12 @@ def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: boo
         try:
             max_tokens = engine.validate(len(prompt), max_tokens)
         except InvalidRequest as e:
-            raise _bad(str(e), param if e.param == "prompt" else e.param) from None
-        params = SamplingParams(max_tokens, params.temperature, params.top_k, params.top_p, params.stop, params.seed)
+            raise bad_request(str(e), param if e.param == "prompt" else e.param) from None
+        params = params.replace(max_tokens=max_tokens)
         try:
             req = engine.submit(prompt, params, deliver, timeout=state.request_timeout)
         except InvalidRequest as e:
-            raise _bad(str(e), param if e.param == "prompt" else e.param) from None
+            raise bad_request(str(e), param if e.param == "prompt" else e.param) from None
         except QueueFull as e:
             raise ApiError(429, str(e), "rate_limit_error", None, "queue_full") from None
         except EngineClosed as e:
@@ -408,7 +249,7 @@ def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: boo
                 choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            return f"data: {_json({**head, 'choices': [choice]})}\n\n"
+            return f"data: {to_json({**head, 'choices': [choice]})}\n\n"
 
         if stream:
             async def events() -> AsyncIterator[str]:
@@ -420,14 +261,14 @@ def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: boo
                         engine.cancel(req)
                         return
                     if ev.finish_reason in ("error", "timeout", "cancelled"):
-                        yield f"data: {_json(error_for(ev).body())}\n\n"
+                        yield f"data: {to_json(error_for(ev).body())}\n\n"
                         break
                     if ev.text:
                         yield chunk(ev.text, None)
                     if ev.finished:
                         yield chunk(None if chat else "", ev.finish_reason)
                         if include_usage:
-                            yield f"data: {_json({**head, 'choices': [], 'usage': usage(ev)})}\n\n"
+                            yield f"data: {to_json({**head, 'choices': [], 'usage': usage(ev)})}\n\n"
                         break
                 yield "data: [DONE]\n\n"
 
@@ -460,13 +301,13 @@ def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: boo
     @app.post("/v1/completions")
     async def completions(request: Request):
         state.check_auth(request)
-        body = await _read_json(request)
-        _check_fields(body, COMPLETION_FIELDS)
+        body = await read_json(request)
+        check_fields(body, COMPLETION_FIELDS)
         state.check_model(body)
         if "prompt" not in body:
-            raise _bad("'prompt' is required", "prompt")
-        params, max_tokens = _sampling(body)
-        stream, include_usage = _stream_flags(body)
+            raise bad_request("'prompt' is required", "prompt")
+        params, max_tokens = parse_sampling(body)
+        stream, include_usage = parse_stream_flags(body)
         prompt = state.prompt_ids(body["prompt"])
         # OpenAI's default for the completions endpoint is 16 tokens.
         return await respond(request, False, prompt, params, 16 if max_tokens is None else max_tokens, stream,
@@ -475,19 +316,18 @@ def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: boo
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         state.check_auth(request)
-        body = await _read_json(request)
-        _check_fields(body, CHAT_FIELDS)
+        body = await read_json(request)
+        check_fields(body, CHAT_FIELDS)
         state.check_model(body)
         messages = parse_messages(body.get("messages"))
-        params, max_tokens = _sampling(body, chat=True)
+        params, max_tokens = parse_sampling(body, chat=True)
         if state.chat.stop:
-            params = SamplingParams(params.max_tokens, params.temperature, params.top_k, params.top_p,
-                                    params.stop + state.chat.stop, params.seed)
-        stream, include_usage = _stream_flags(body)
+            params = params.replace(stop=params.stop + state.chat.stop)
+        stream, include_usage = parse_stream_flags(body)
         try:
             prompt = state.chat.encode(messages)
         except TemplateRejected as e:
-            raise _bad(str(e), "messages") from None
+            raise bad_request(str(e), "messages") from None
         return await respond(request, True, prompt, params, max_tokens, stream, include_usage)
 
     @app.get("/v1/models")
@@ -525,10 +365,7 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optio
     On SIGTERM the listening socket closes, running and queued requests get ``shutdown_timeout`` seconds to
     finish, then the rest are cancelled (streams end with an error event) and the process exits.
     """
-    import torch
     import uvicorn
-
-    from minigpt.checkpoint.native import load_chat_template, load_model, load_tokenizer, resolve_checkpoint
 
     ckpt = resolve_checkpoint(source)
     model = load_model(ckpt, device=pick_device(device), dtype=DTYPES[dtype])

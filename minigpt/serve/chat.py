@@ -1,9 +1,9 @@
 """``minigpt chat``: an interactive terminal chat with a model, in-process (no server), streaming its answers.
 
 Each turn renders the whole conversation with the model's chat template (or :data:`DEFAULT_CHAT_TEMPLATE`) and
-generates through a one-slot :class:`~minigpt.infer.engine.Engine`. When the conversation no longer fits the context, the
-oldest turns (after a system message) are dropped, and the user is told. Commands: ``/reset`` forgets the
-conversation, ``/quit`` (or end of input) leaves; Ctrl-C stops the current answer.
+generates through a one-slot :class:`~minigpt.infer.engine.Engine`. When the conversation no longer fits the
+context, the oldest turns (after a system message) are dropped, and the user is told. Commands: ``/reset`` forgets
+the conversation, ``/quit`` (or end of input) leaves; Ctrl-C stops the current answer.
 
 :class:`ChatFormatter` (messages -> prompt ids) is shared with ``minigpt serve``.
 """
@@ -12,8 +12,10 @@ from __future__ import annotations
 import sys
 from typing import Optional, TextIO
 
+from minigpt.checkpoint.native import load_chat_template, load_model, load_tokenizer, resolve_checkpoint
 from minigpt.errors import MiniGPTError
-from minigpt.infer.engine import Engine, SamplingParams
+from minigpt.infer.engine import Engine
+from minigpt.infer.sampling import InvalidRequest, SamplingParams, check_length
 from minigpt.runtime import DTYPES, pick_device
 from minigpt.tokenizer.tokenizer import Tokenizer
 
@@ -94,6 +96,14 @@ class ChatFormatter:
         return ids
 
 
+def _room(ids: list[int], context: int) -> Optional[int]:
+    """How many tokens may answer the prompt ``ids`` within the context; None when none fits."""
+    try:
+        return check_length(len(ids), None, context)[1]
+    except InvalidRequest:
+        return None
+
+
 def run_chat(source: str, max_tokens: int = 256, temperature: float = 0.8, top_k: Optional[int] = None,
              top_p: Optional[float] = None, seed: Optional[int] = None, system: Optional[str] = None,
              device: str = "auto", dtype: str = "float32", stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout
@@ -103,8 +113,6 @@ def run_chat(source: str, max_tokens: int = 256, temperature: float = 0.8, top_k
     ``seed``: turn ``i`` (from 0) samples with seed ``seed + i``, so a replayed conversation answers the same.
     Raises :class:`~minigpt.errors.MiniGPTError` for an unreadable checkpoint.
     """
-    from minigpt.checkpoint.native import load_chat_template, load_model, load_tokenizer, resolve_checkpoint
-
     ckpt = resolve_checkpoint(source)
     model = load_model(ckpt, device=pick_device(device), dtype=DTYPES[dtype])
     tokenizer = load_tokenizer(ckpt)
@@ -138,22 +146,21 @@ def run_chat(source: str, max_tokens: int = 256, temperature: float = 0.8, top_k
             if not command:
                 continue
             history.append({"role": "user", "content": text})
+            # Keep room to answer (at least one token); drop whole user/assistant turns from the oldest.
             ids = formatter.encode(history)
-            dropped = False
-            # Keep at least one token of room to answer; drop whole user/assistant turns from the oldest.
-            while len(ids) >= context - 1 and len(history) > len(base) + 1:
+            room, dropped = _room(ids, context), False
+            while room is None and len(history) > len(base) + 1:
                 del history[len(base):len(base) + 2]
                 ids = formatter.encode(history)
-                dropped = True
-            if len(ids) >= context - 1:
+                room, dropped = _room(ids, context), True
+            if room is None:
                 history.pop()
                 out.write(f"(that message alone is {len(ids)} tokens; the context is {context})\n")
                 continue
             if dropped:
                 out.write("(older turns were dropped to fit the context)\n")
-            params = SamplingParams(max_tokens=min(max_tokens, context - len(ids)), temperature=temperature,
-                                    top_k=top_k, top_p=top_p, stop=formatter.stop,
-                                    seed=None if seed is None else seed + turn)
+            params = SamplingParams(max_tokens=min(max_tokens, room), temperature=temperature, top_k=top_k,
+                                    top_p=top_p, stop=formatter.stop, seed=None if seed is None else seed + turn)
             turn += 1
             out.write("assistant> ")
             out.flush()

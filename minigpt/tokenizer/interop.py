@@ -15,6 +15,7 @@ MiniGPT itself uses it.
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -269,7 +270,6 @@ def read_llama2c_tokenizer(path: str | Path) -> Vocab:
 
     Raises :class:`MiniGPTError` for a truncated file.
     """
-    import struct
 
     data = Path(path).read_bytes()
     tokens, scores, off = [], [], 4

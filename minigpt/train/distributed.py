@@ -14,6 +14,9 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from minigpt.errors import MiniGPTError
 
@@ -86,12 +89,10 @@ def wrap_model(model: nn.Module, parallel: str, info: DistInfo, *, param_dtype: 
     if parallel == "none" or not info.enabled:
         return model
     if parallel == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
 
         ids = [info.device.index] if info.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids)
     if parallel == "fsdp":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
         kwargs = {"mp_policy": mp} if mp else {}
@@ -103,7 +104,6 @@ def wrap_model(model: nn.Module, parallel: str, info: DistInfo, *, param_dtype: 
 
 
 def _checkpointed(forward):
-    from torch.utils.checkpoint import checkpoint
 
     def run(*args, **kwargs):
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)

@@ -9,6 +9,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+import torch.nn.functional as F
+
 from minigpt.model.attention import causal_mask, naive_attention
 from minigpt.model.config import ModelConfig, preset
 from minigpt.model.flash_reference import flash_attention
@@ -36,8 +39,6 @@ def _attention_child(impl: str, seq_lens: list[int], heads: int, head_dim: int, 
 
     Memory: bytes of the tensors autograd keeps for the backward pass (saved-tensor hooks), and the growth of the
     process's peak resident set over its idle value (lengths run in increasing order, so each peak is its own)."""
-    import torch
-    import torch.nn.functional as F
 
 
     torch.set_num_threads(threads)
@@ -95,7 +96,6 @@ def _throughput_child(configs: dict[str, dict], batch: int, seq_len: int, thread
                       path: str) -> None:
     """Training tokens/s of several models measured round-robin in one process: every variant is timed in each
     round, so load from other jobs on a shared machine falls on all of them alike. Best round per variant."""
-    import torch
 
 
     torch.set_num_threads(threads)
@@ -152,8 +152,6 @@ def throughput_benchmark(settings, configs: dict[str, dict], key: str, rounds: i
 
 def norm_benchmark(settings, config) -> dict[str, Any]:
     """Forward + backward seconds of each norm alone on ``[batch * seq_len, dim]`` activations (this process)."""
-    import torch
-    import torch.nn.functional as F
 
 
     b = settings.budget()

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 from minigpt.analysis.ablate.bench import attention_benchmark, norm_benchmark, throughput_benchmark
 from minigpt.analysis.ablate.report import write_report
 from minigpt.analysis.estimate import activation_bytes, count_parameters, kv_cache_bytes_per_token
@@ -149,7 +151,6 @@ def variant_config(variant: Variant, scale: dict[str, Any], vocab_size: int) -> 
 
 def _child(spec: dict[str, Any], result_path: str) -> None:
     """Body of a spawned run: train, evaluate at longer contexts if asked, record peak memory; writes JSON."""
-    import torch
 
 
     torch.set_num_threads(spec["threads"])
@@ -179,7 +180,6 @@ def _child(spec: dict[str, Any], result_path: str) -> None:
 def _context_child(checkpoint: str, data_dir: str, seq_len: int, n_tokens: int, threads: int, path: str) -> None:
     """Validation loss of a trained model on the same ``n_tokens`` tokens (the start of the validation split) cut
     into windows of 1x, 2x and 4x the training context: only the context available to each prediction changes."""
-    import torch
 
 
     torch.set_num_threads(threads)

@@ -25,26 +25,41 @@ with min-max and the ratio to ``transformers``. Shared machines drift; the inter
 
 Output: a markdown table on stdout (``--out FILE`` also writes it) and, with ``--json FILE``, every measurement.
 The ``bench`` command leaves room for sub-commands (``minigpt bench serve``): :func:`add_bench_parser` returns the
-sub-parser group.
+sub-parser group. ``minigpt bench quant`` and ``minigpt bench speculative``: :mod:`minigpt.analysis.bench.reports`.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
+from minigpt.analysis.bench.reports import add_report_parsers
+from minigpt.analysis.bench.reports import quant_report as quant_report  # re-exported: it lived here before
+from minigpt.analysis.bench.reports import speculative_report as speculative_report  # re-exported, likewise
+from minigpt.analysis.bench.timing import time_round_robin
+from minigpt.checkpoint.convert import export_hf
+from minigpt.checkpoint.native import load_model, save_pretrained
+from minigpt.errors import MiniGPTError
+from minigpt.infer.fastpath import FastPath, prepare
+from minigpt.infer.generate import generate_batch
+from minigpt.infer.sampling import SamplingParams
+from minigpt.model.accounting import flops_per_token
+from minigpt.model.config import preset
+from minigpt.model.transformer import Transformer
 from minigpt.runtime import DTYPES as RUNTIME_DTYPES
-from minigpt.runtime import loadavg, machine_info
+from minigpt.runtime import loadavg, machine_info, measure_peak_flops
+from minigpt.train.mixed import autocast, compute_dtype
 
 ROWS = ("decode-b1", "decode-b8", "prefill", "train")
 PRESET_NAMES = ("tiny", "small", "medium")
@@ -107,11 +122,6 @@ class Measurement:
 def _random_checkpoint(name: str, settings: BenchSettings, root: Path) -> tuple[Path, Optional[Path]]:
     """Save a random ``name`` preset model to ``root/name`` and, if transformers is wanted, export it to
     ``root/name-hf``. Returns both paths (the second None without transformers)."""
-    from minigpt.checkpoint.convert import export_hf
-    from minigpt.checkpoint.native import save_pretrained
-    from minigpt.model.config import preset
-    from minigpt.model.transformer import Transformer
-
     torch.manual_seed(settings.seed)
     # The context must hold the longest workload (`tiny`'s preset context, 256, is shorter than a 512-token
     # prefill); the weights do not depend on it.
@@ -141,8 +151,6 @@ def transformers_available() -> bool:
 
 # --------------------------------------------------------------------------------------------- workloads
 def _decode_workload(impl: str, model, batch: int, s: BenchSettings, prompt: torch.Tensor) -> Callable[[], Any]:
-    from minigpt.infer.generate import generate_batch
-
     if impl == REFERENCE:
         mask = torch.ones_like(prompt)
 
@@ -152,9 +160,10 @@ def _decode_workload(impl: str, model, batch: int, s: BenchSettings, prompt: tor
                                       min_new_tokens=s.new_tokens, do_sample=False, pad_token_id=0)[:, prompt.shape[1]:]
         return run
     rows = prompt.tolist()
+    greedy = SamplingParams(max_tokens=s.new_tokens, temperature=0)
 
     def run():
-        return torch.tensor([c.tokens for c in generate_batch(model, rows, s.new_tokens)])
+        return torch.tensor([c.tokens for c in generate_batch(model, rows, greedy)])
     return run
 
 
@@ -177,10 +186,6 @@ def _train_workload(impl: str, model, dtype: torch.dtype, s: BenchSettings, x: t
     """One AdamW step of ``model``. Mixed precision: ``torch.autocast`` for transformers (and with
     ``torch_autocast``), else MiniGPT's policy (:func:`minigpt.train.mixed.autocast`, which emulates bf16 with fp32
     kernels on CPUs without native bf16)."""
-    import torch.nn.functional as F
-
-    from minigpt.train.mixed import autocast
-
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     forward = torch.compile(model) if compile else model
@@ -208,31 +213,6 @@ class _null:
 
     def __exit__(self, *exc):
         return False
-
-
-# ------------------------------------------------------------------------------------------------ timing
-def _time_round_robin(workloads: dict[str, Callable[[], Any]], repeats: int, warmup: int,
-                      log: Callable[[str], None]):
-    """Run every workload ``warmup`` times (the first call's time is kept: it holds compilation), then
-    ``repeats`` rounds A B C ...; returns (wall seconds per run, process CPU seconds per run, first-call seconds,
-    last outputs), each keyed by workload."""
-    first, outputs = {}, {}
-    for name, fn in workloads.items():
-        for i in range(max(warmup, 1)):
-            t0 = time.perf_counter()
-            outputs[name] = fn()
-            if i == 0:
-                first[name] = time.perf_counter() - t0
-    times: dict[str, list[float]] = {name: [] for name in workloads}
-    cpu: dict[str, list[float]] = {name: [] for name in workloads}
-    for r in range(repeats):
-        for name, fn in workloads.items():
-            t0, c0 = time.perf_counter(), time.process_time()
-            outputs[name] = fn()
-            times[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
-        log(f"    round {r + 1}/{repeats}: " + ", ".join(f"{n} {times[n][-1]:.3f}s" for n in workloads))
-    return times, cpu, first, outputs
 
 
 def run_bench(settings: BenchSettings, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)
@@ -273,12 +253,6 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = lambda m: pr
 
 
 def _bench_row(name, dtype_name, dtype, row, ckpt, hf_dir, s: BenchSettings, gen, log) -> list[Measurement]:
-    from minigpt.checkpoint.native import load_model
-    from minigpt.infer.fastpath import FastPath, prepare
-    from minigpt.model.accounting import flops_per_token
-    from minigpt.runtime import measure_peak_flops
-    from minigpt.train.mixed import compute_dtype
-
     workloads: dict[str, Callable[[], Any]] = {}
     fps: dict[str, FastPath] = {}
     vocab = s.vocab_size
@@ -328,7 +302,7 @@ def _bench_row(name, dtype_name, dtype, row, ckpt, hf_dir, s: BenchSettings, gen
             workloads["minigpt+torch-autocast"] = _train_workload("minigpt", load_model(ckpt), dtype, s, x, y,
                                                                   torch_autocast=True)
         n_tokens = s.train_batch * s.train_seq
-    times, cpu, first, outputs = _time_round_robin(workloads, s.repeats, s.warmup, log)
+    times, cpu, first, outputs = time_round_robin(workloads, s.repeats, s.warmup, log)
 
     result = []
     if row == "train":
@@ -365,8 +339,6 @@ def _bench_row(name, dtype_name, dtype, row, ckpt, hf_dir, s: BenchSettings, gen
 # ------------------------------------------------------------------------------------------------ report
 def _version(pkg: str) -> Optional[str]:
     try:
-        from importlib.metadata import version
-
         return version(pkg)
     except Exception:
         return None
@@ -469,8 +441,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     module docstring of minigpt.analysis.bench.infer for the definitions. A full run (3 presets x 2 dtypes x 4 rows) takes long on
     a small CPU: select with --presets/--dtypes/--rows/--repeats.
     """
-    from minigpt.errors import MiniGPTError
-
     try:
         settings = BenchSettings(
             presets=_split(args.presets), dtypes=_split(args.dtypes), rows=_split(args.rows), repeats=args.repeats,
@@ -501,151 +471,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-# ------------------------------------------------------------------------------ quantization and speculative
-def _val_tokens(data_dir: str) -> torch.Tensor:
-    from minigpt.data.prepare import load_split
-
-    return torch.from_numpy(load_split(data_dir, "val").astype("int64"))
-
-
-def _prompts_from(tokens: torch.Tensor, n: int, length: int) -> list[list[int]]:
-    """``n`` prompts of ``length`` tokens evenly spaced over ``tokens`` (deterministic)."""
-    step = max(1, (len(tokens) - length) // n)
-    return [tokens[i * step:i * step + length].tolist() for i in range(n)]
-
-
-@torch.inference_mode()
-def validation_loss(model, tokens: torch.Tensor, seq_len: int, max_windows: Optional[int] = None,
-                    batch: int = 8) -> float:
-    """Mean next-token loss (nats/token) of ``model`` over non-overlapping windows of ``seq_len`` tiling
-    ``tokens`` (every token scored once; at most ``max_windows`` windows, evenly spaced)."""
-    from minigpt.data.prepare import eval_windows
-    from minigpt.model.transformer import lm_loss
-
-    n = (len(tokens) - 1) // seq_len
-    x, y = eval_windows(tokens.numpy(), seq_len, min(n, max_windows or n))
-    total = 0.0
-    for i in range(0, x.shape[0], batch):
-        total += lm_loss(model(x[i:i + batch]), y[i:i + batch]).item() * y[i:i + batch].numel()
-    return total / y.numel()
-
-
-def quant_report(ckpt: str, data: str, seq_len: int = 256, max_windows: Optional[int] = None, repeats: int = 5,
-                 compile: bool = False, new_tokens: int = 128, log=lambda m: None) -> dict[str, Any]:
-    """int8 weight-only vs float32 on one checkpoint: validation perplexity of both on ``data``'s val split, and
-    greedy decode tokens/s at batch 1 (eager fast path, and compiled with ``compile``), timed round-robin.
-    Returns a dict (perplexities, relative change, tokens/s medians and ranges, weight bytes)."""
-    from minigpt.checkpoint.native import load_model, resolve_checkpoint
-    from minigpt.infer.fastpath import prepare
-    from minigpt.infer.generate import generate_batch
-    from minigpt.model.quant import quantize_model
-
-    src = resolve_checkpoint(ckpt)
-    tokens = _val_tokens(data)
-    float_model = load_model(src)
-    int8_model = quantize_model(load_model(src))
-    log("evaluating validation loss (float32, int8)")
-    loss_f = validation_loss(float_model, tokens, seq_len, max_windows)
-    loss_q = validation_loss(int8_model, tokens, seq_len, max_windows)
-    out: dict[str, Any] = {"checkpoint": str(src), "data": data, "seq_len": seq_len,
-                           "val_tokens_scored": ((len(tokens) - 1) // seq_len if not max_windows else
-                                                 min(max_windows, (len(tokens) - 1) // seq_len)) * seq_len,
-                           "ppl_float32": math.exp(loss_f), "ppl_int8": math.exp(loss_q)}
-    out["ppl_relative_change"] = out["ppl_int8"] / out["ppl_float32"] - 1
-    prompt = _prompts_from(tokens, 1, 32)
-    variants = {"float32": prepare(float_model), "int8": prepare(int8_model)}
-    if compile:
-        variants["float32+compile"] = prepare(load_model(src), compile=True)
-        variants["int8+compile"] = prepare(load_model(src), quantize="int8", compile=True)
-    out["weight_bytes"] = {k: v.weight_bytes() for k, v in variants.items()}
-    workloads = {k: (lambda v=v: generate_batch(v, prompt, new_tokens)) for k, v in variants.items()}
-    times, _, first, _ = _time_round_robin(workloads, repeats, 1, log)
-    out["decode_b1_tokens_per_s"] = {k: {"median": new_tokens / statistics.median(t), "min": new_tokens / max(t),
-                                         "max": new_tokens / min(t)} for k, t in times.items()}
-    out["compile_s"] = {k: v.compile_seconds for k, v in variants.items() if v.compiled}
-    return out
-
-
-def speculative_report(target_ckpt: str, draft_ckpt: str, data: str, k: int = 4, n_prompts: int = 8,
-                       prompt_len: int = 32, new_tokens: int = 128, temperature: float = 0.0,
-                       compile: bool = False, log=lambda m: None) -> dict[str, Any]:
-    """Speculative decoding against the target alone on ``n_prompts`` prompts from ``data``'s val split: both
-    timed round-robin per prompt, greedy outputs compared, acceptance counted. Returns a dict (tokens/s of each,
-    speed-up = ratio of total times, acceptance rate, tokens per target forward, identical outputs)."""
-    from minigpt.checkpoint.native import resolve_checkpoint
-    from minigpt.infer.fastpath import load_for_inference
-    from minigpt.infer.generate import generate_tokens
-    from minigpt.infer.speculative import SpeculativeStats, speculative_tokens
-
-    target = load_for_inference(resolve_checkpoint(target_ckpt), compile=compile)
-    draft = load_for_inference(resolve_checkpoint(draft_ckpt), compile=compile)
-    prompts = _prompts_from(_val_tokens(data), n_prompts, prompt_len)
-    stats = SpeculativeStats()
-    t_plain, t_spec, n_plain, n_spec, same = 0.0, 0.0, 0, 0, 0
-    # Warm-up (and compilation) on the first prompt, untimed, at the timed length: a compiled step is specialised to
-    # its cache length (bucketed), so a shorter warm-up would leave the compilation inside the first timed prompt.
-    list(generate_tokens(target, prompts[0], new_tokens))
-    list(speculative_tokens(target, draft, prompts[0], new_tokens, k))
-    for i, prompt in enumerate(prompts):
-        t0 = time.perf_counter()
-        plain = list(generate_tokens(target, prompt, new_tokens, temperature, seed=i))
-        t1 = time.perf_counter()
-        spec = list(speculative_tokens(target, draft, prompt, new_tokens, k, temperature, seed=i, stats=stats))
-        t2 = time.perf_counter()
-        t_plain, t_spec = t_plain + t1 - t0, t_spec + t2 - t1
-        n_plain, n_spec = n_plain + len(plain), n_spec + len(spec)
-        same += plain == spec
-        log(f"    prompt {i + 1}/{len(prompts)}: plain {len(plain) / (t1 - t0):.1f} tok/s, speculative "
-            f"{len(spec) / (t2 - t1):.1f} tok/s, acceptance so far {stats.acceptance_rate:.1%}")
-    return {"target": target_ckpt, "draft": draft_ckpt, "k": k, "temperature": temperature, "prompts": n_prompts,
-            "new_tokens": new_tokens, "compile": compile, "plain_tokens_per_s": n_plain / t_plain,
-            "speculative_tokens_per_s": n_spec / t_spec, "speedup": (n_spec / t_spec) / (n_plain / t_plain),
-            "acceptance_rate": stats.acceptance_rate, "tokens_per_target_forward": stats.tokens_per_round,
-            "identical_outputs": f"{same}/{len(prompts)}"}
-
-
-def cmd_bench_quant(args: argparse.Namespace) -> int:
-    """int8 weight-only quantization of a trained checkpoint: validation perplexity change and decode speed change.
-
-    Perplexity over the whole validation split of --data (non-overlapping windows of --seq-len), float32 vs int8;
-    decode tokens/s at batch 1 (eager fast path, and compiled with --compile), timed round-robin.
-    """
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    r = quant_report(args.ckpt, args.data, args.seq_len, args.max_windows, args.repeats, args.compile,
-                     log=lambda m: print(m, file=sys.stderr, flush=True))
-    print(f"validation perplexity ({r['val_tokens_scored']:,} tokens): float32 {r['ppl_float32']:.4f}, int8 "
-          f"{r['ppl_int8']:.4f} ({100 * r['ppl_relative_change']:+.3f} %)")
-    base = r["decode_b1_tokens_per_s"]["float32"]["median"]
-    for name, v in r["decode_b1_tokens_per_s"].items():
-        print(f"decode b1 {name}: {v['median']:.1f} tok/s [{v['min']:.1f}-{v['max']:.1f}] ({v['median'] / base:.2f}x "
-              f"float32 eager), weights {r['weight_bytes'][name] / 2**20:.1f} MiB"
-              + (f", compile {r['compile_s'][name]:.0f} s" if name in r["compile_s"] else ""))
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(r, indent=1) + "\n")
-    return 0
-
-
-def cmd_bench_speculative(args: argparse.Namespace) -> int:
-    """Speculative decoding: a draft model proposing for a target, against the target alone.
-
-    Prompts are --prompts windows of --prompt-len tokens from the validation split of --data; each generates
-    --new-tokens tokens with and without the draft (--k proposals per round), greedy unless --temperature.
-    Prints tokens/s of both, the speed-up, the acceptance rate and whether greedy outputs are identical.
-    """
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    r = speculative_report(args.target, args.draft, args.data, args.k, args.prompts, args.prompt_len, args.new_tokens,
-                           args.temperature, args.compile, log=lambda m: print(m, file=sys.stderr, flush=True))
-    print(f"target alone {r['plain_tokens_per_s']:.1f} tok/s, speculative (k={r['k']}) "
-          f"{r['speculative_tokens_per_s']:.1f} tok/s: {r['speedup']:.2f}x; acceptance {r['acceptance_rate']:.1%}, "
-          f"{r['tokens_per_target_forward']:.2f} tokens per target forward; identical outputs "
-          f"{r['identical_outputs']}")
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(r, indent=1) + "\n")
-    return 0
-
-
 def add_bench_parser(subparsers) -> argparse._SubParsersAction:
     """Register ``minigpt bench`` (and its alias ``minigpt bench model``) on the CLI's ``subparsers``; returns the
     ``bench`` sub-command group so that other benchmarks (``minigpt bench serve``) can add themselves."""
@@ -660,26 +485,5 @@ def add_bench_parser(subparsers) -> argparse._SubParsersAction:
     _add_model_args(m)
     m.set_defaults(func=cmd_bench)
 
-    for name, func in (("quant", cmd_bench_quant), ("speculative", cmd_bench_speculative)):
-        d = func.__doc__ or ""
-        q = group.add_parser(name, help=d.strip().splitlines()[0], description=d,
-                             formatter_class=argparse.RawDescriptionHelpFormatter)
-        q.set_defaults(func=func)
-        if name == "quant":
-            q.add_argument("ckpt", help="a trained checkpoint (run dir or model dir)")
-            q.add_argument("--seq-len", dest="seq_len", type=int, default=256, help="evaluation window (tokens)")
-            q.add_argument("--max-windows", dest="max_windows", type=int, help="cap on windows (default: all)")
-            q.add_argument("--repeats", type=int, default=5)
-        else:
-            q.add_argument("target", help="target checkpoint")
-            q.add_argument("draft", help="draft checkpoint (same tokenizer)")
-            q.add_argument("--k", type=int, default=4, help="draft tokens per round")
-            q.add_argument("--prompts", type=int, default=8)
-            q.add_argument("--prompt-len", dest="prompt_len", type=int, default=32)
-            q.add_argument("--new-tokens", dest="new_tokens", type=int, default=128)
-            q.add_argument("--temperature", type=float, default=0.0)
-        q.add_argument("--data", required=True, help="prepared data directory (its val split is used)")
-        q.add_argument("--compile", action="store_true", help="also / instead run the compiled decode step")
-        q.add_argument("--threads", type=int)
-        q.add_argument("--json", dest="json_path", metavar="FILE")
+    add_report_parsers(group)
     return group

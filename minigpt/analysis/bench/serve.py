@@ -29,6 +29,8 @@ from typing import Optional
 from urllib.parse import urlparse
 from urllib.request import urlopen
 
+import torch
+
 from minigpt.checkpoint.native import save_pretrained
 from minigpt.data.sources import BUNDLED
 from minigpt.errors import MiniGPTError
@@ -167,7 +169,6 @@ def _wait_healthy(url: str, proc: Optional[subprocess.Popen], timeout: float = 3
 
 def random_model(preset: str, directory: Path, corpus_text: str, vocab_size: int = 4096) -> Path:
     """Save a random-initialised ``preset`` model with a BPE trained on ``corpus_text`` into ``directory``."""
-    import torch
 
 
     tok = train_tokenizer([corpus_text], vocab_size)

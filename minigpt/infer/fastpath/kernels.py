@@ -1,0 +1,187 @@
+"""The fast path's projections: :class:`Proj` (one possibly fused linear map, fp32, bf16 or int8 weight-only), the
+fusion of a model's projections into row views of one matrix (:func:`fuse_projections`), and the matrix-vector products of the
+compiled decode step (:func:`decode_linear`, with int8 weights read as float32 words, :func:`int8_words`).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minigpt.model.quant import Int8Linear, int8_linear
+
+# Activations, the residual stream and the KV cache of the fast path are float32 whatever the weight dtype: bf16
+# (or int8) is a storage format for the weights, converted on the fly. Half-precision arithmetic has no hardware
+# support on most CPUs, and the weights, not the activations, are what a decode step reads.
+ACT_DTYPE = torch.float32
+
+# Up to this many rows the compiled step writes its matrix-vector products as per-row reductions (see
+# decode_linear); larger batches use the BLAS GEMM.
+DECODE_ROWS_MAX = 8
+
+
+class Proj:
+    """One (possibly fused) linear projection ``y = x W^T (* scale) + b``.
+
+    ``weight`` ``[out, in]`` float (fp32/bf16) or int8; ``scale`` ``[out]`` (int8 only: per-output-channel
+    symmetric scales, :mod:`minigpt.model.quant`); ``bias`` ``[out]`` or None.
+    """
+
+    __slots__ = ("weight", "scale", "bias", "words")
+
+    def __init__(self, weight: Optional[torch.Tensor], scale: Optional[torch.Tensor] = None,
+                 bias: Optional[torch.Tensor] = None, words: Optional[torch.Tensor] = None) -> None:
+        self.weight, self.scale, self.bias = weight, scale, bias
+        self.words = words  # int8 only: the weight as float32 words (int8_words), read by the compiled step
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., in]`` in the activation dtype (float32) -> ``[..., out]`` in the same dtype.
+
+        bf16/fp16 weights: a few rows (decode) go through the BLAS's half-precision matrix-vector product on
+        activations rounded to the weight dtype; many rows (prefill) through an fp32 GEMM on the weights upcast
+        once per call, because CPUs without native bf16 run half-precision GEMMs ~100x slower than fp32 ones."""
+        w = self.weight
+        if self.scale is not None:
+            return int8_linear(x, w, self.scale, self.bias)
+        if w.dtype == x.dtype:
+            return F.linear(x, w, self.bias)
+        if x.numel() // x.shape[-1] <= DECODE_ROWS_MAX:
+            bias = None if self.bias is None else self.bias.to(w.dtype)
+            return F.linear(x.to(w.dtype), w, bias).to(x.dtype)
+        return F.linear(x, w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weight, scale and bias."""
+        n = self.weight.numel() * self.weight.element_size()
+        for t in (self.scale, self.bias):
+            if t is not None:
+                n += t.numel() * t.element_size()
+        return n
+
+
+@dataclass
+class LayerWeights:
+    """The tensors of one block, fused where the architecture allows. ``w13`` is the fused gate/up projection of a
+    gated FFN (``gate`` then ``up`` rows); plain MLPs keep ``w1`` alone (``w13`` is then just ``w1``)."""
+
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    wqkv: Proj
+    wo: Proj
+    w13: Proj
+    w2: Proj
+    attn_norm_eps: float
+    ffn_norm_eps: float
+
+
+def module_proj(linear: nn.Module) -> Proj:
+    """The :class:`Proj` of one ``nn.Linear`` or ``Int8Linear`` (its own tensors, not copied)."""
+    if isinstance(linear, Int8Linear):
+        return Proj(linear.weight, linear.weight_scale, linear.bias)
+    return Proj(linear.weight.detach(), None, None if linear.bias is None else linear.bias.detach())
+
+
+def fuse_projections(linears: list[nn.Module]) -> Proj:
+    """Concatenate ``linears`` (all float ``nn.Linear`` or all ``Int8Linear``) along the output dimension and make
+    each module's tensors row views of the fused ones: no copy survives, the modules keep working unchanged."""
+    def concat_and_repoint(get, set_) -> Optional[torch.Tensor]:
+        parts = [get(m) for m in linears]
+        if parts[0] is None:
+            return None
+        fused = torch.cat([p.detach() for p in parts])
+        start = 0
+        for m, p in zip(linears, parts):
+            set_(m, fused[start:start + p.shape[0]])
+            start += p.shape[0]
+        return fused
+
+    if all(isinstance(m, Int8Linear) for m in linears):
+        w = concat_and_repoint(lambda m: m.weight, lambda m, v: setattr(m, "weight", v))
+        s = concat_and_repoint(lambda m: m.weight_scale, lambda m, v: setattr(m, "weight_scale", v))
+        b = concat_and_repoint(lambda m: m.bias, lambda m, v: setattr(m, "bias", v))
+        return Proj(w, s, b)
+
+    def set_param(name):
+        def set_(m, v):
+            setattr(m, name, nn.Parameter(v, requires_grad=False))
+        return set_
+
+    w = concat_and_repoint(lambda m: m.weight, set_param("weight"))
+    b = concat_and_repoint(lambda m: m.bias, set_param("bias"))
+    return Proj(w, None, b)
+
+
+def int8_words(q: torch.Tensor) -> Optional[torch.Tensor]:
+    """The compiled step's view of an int8 matrix ``q`` ``[out, in]``: the same bytes as float32 words
+    ``[out, in / 4]``, byte ``j`` of word ``m`` of a row being ``q[row, 4 m + j]`` (little-endian). Shares ``q``'s
+    memory. None for a non-contiguous ``q``, ``in`` not a multiple of 4 or a big-endian host.
+
+    Why: Inductor's vectorised loops load int8 through a scalar copy per element, but float32 with plain vector
+    loads; from a float32-typed word a bit cast and two shifts per byte give the signed values. Measured in the
+    whole decode step (in-process A/B against converting int8 in the loop from a k-major copy): 1.6x (`small`) and
+    2.1x (`medium`) faster at batch 1. (bf16 read the same way, two halves per word, was 3-8 % slower than
+    Inductor's own vectorised bf16 conversion, so bf16 weights are read as they are.)
+    """
+    if q.dtype != torch.int8 or q.dim() != 2 or q.shape[1] % 4 or q.storage_offset() % 4:
+        return None
+    if sys.byteorder != "little" or not q.is_contiguous():
+        return None
+    # Not q.view(torch.float32): the compiled step would trace that view back to its int8 base and read int8 again.
+    # A tensor set on the same storage shares the bytes without being a view.
+    words = torch.empty(0, dtype=torch.float32, device=q.device)
+    return words.set_(q.untyped_storage(), q.storage_offset() // 4, (q.shape[0], q.shape[1] // 4))
+
+
+def _int8_words_linear(x32: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """``x32`` ``[batch, in]`` float32 times the int8 matrix whose words are ``words`` ``[out, in / 4]``
+    (:func:`int8_words`): ``[batch, out]`` float32, the products of ``x q^T`` (unscaled) summed byte lane by lane."""
+    batch, n_words = x32.shape[0], words.shape[1]
+    bits = words.view(torch.int32)
+    lanes = [((bits << (24 - 8 * j)) >> 24).float() for j in range(4)]  # byte j, sign-extended: [out, in / 4]
+    if batch > DECODE_ROWS_MAX:  # many rows: one GEMM on the unpacked matrix [out, in]
+        return x32 @ torch.stack(lanes, dim=-1).view(words.shape[0], -1).T
+    xs = x32.view(batch, n_words, 4)
+    # Each lane's slice of x, materialised (see decode_linear) so that the loop reads it contiguously.
+    parts = [torch.as_strided(xs[:, :, j].contiguous(), (batch, n_words), (n_words, 1)) for j in range(4)]
+    rows = [(parts[0][b][None, :] * lanes[0] + parts[1][b][None, :] * lanes[1] + parts[2][b][None, :] * lanes[2]
+             + parts[3][b][None, :] * lanes[3]).sum(-1) for b in range(batch)]
+    return rows[0][None] if batch == 1 else torch.stack(rows)
+
+
+def decode_linear(p, x: torch.Tensor) -> torch.Tensor:
+    """``p(x)`` for the traced decode step, ``x`` ``[batch, seq, in]`` -> ``[batch, seq, out]`` (``seq`` new tokens
+    per row: 1 when decoding, k + 1 when verifying speculative proposals).
+
+    Written as ``sum(x * W, -1)`` per row instead of a matmul, so that Inductor generates the matrix-vector
+    product itself: one fused, vectorised C++ loop that reads each weight once (converting bf16 or int8 on the fly)
+    and needs no BLAS call. A BLAS ``gemv`` through ``mm`` reads fp32 at ~9 GB/s on one core here, the generated
+    loop at ~17 GB/s, and bf16 weights halve the bytes. Up to :data:`DECODE_ROWS_MAX` rows (``batch * seq``) the
+    per-row reductions share one loop over the weights (Inductor fuses reductions of the same shape), so a batch
+    of 8 still reads each weight once. The accumulation is float32 whatever the weight dtype.
+    """
+    if isinstance(p, list):
+        return torch.cat([decode_linear(q, x) for q in p], dim=-1)
+    batch, seq = x.shape[0], x.shape[1]
+    rows = batch * seq  # every (row, position) is one vector of the product
+    if rows > DECODE_ROWS_MAX and p.words is None:
+        return p(x)
+    x32 = x.reshape(rows, -1).float()
+    # An identity as_strided makes Inductor materialise x first (its lowering realizes the input); otherwise it
+    # inlines x's producer into the reduction and recomputes it for every output row (e.g. SiLU * up before w2).
+    x32 = torch.as_strided(x32, x32.shape, x32.stride())
+    if p.words is not None:
+        y = _int8_words_linear(x32, p.words)
+    else:
+        w = p.weight.float() if p.weight.dtype != torch.float32 else p.weight
+        ys = [(x32[r][None, :] * w).sum(-1) for r in range(rows)]
+        y = ys[0][None] if rows == 1 else torch.stack(ys)
+    if p.scale is not None:
+        y = y * p.scale
+    if p.bias is not None:
+        y = y + p.bias.float()
+    return y.to(x.dtype).view(batch, seq, -1)

@@ -1,0 +1,155 @@
+"""The compiled decode step of :class:`~minigpt.infer.fastpath.FastPath`: a traced function of static shapes over
+``seq`` new tokens per row (:func:`static_step`), one nested compile region per layer (:func:`step_layer`), and
+the ``torch.compile`` set-up that trims its per-call overhead (:func:`compile_step`).
+
+The layer is the model's block (:func:`~minigpt.model.transformer.pre_norm_residual` with
+:func:`~minigpt.model.norm.rms_norm`, :func:`~minigpt.model.rope.rope_rotate` and
+:func:`~minigpt.model.ffn.ffn_hidden`) over the fused weights; only the attention core and the matrix-vector
+products are written for Inductor here.
+"""
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from minigpt.infer.fastpath.kernels import ACT_DTYPE, Proj, decode_linear
+from minigpt.model.ffn import ffn_hidden
+from minigpt.model.norm import rms_norm
+from minigpt.model.rope import rope_rotate
+from minigpt.model.transformer import pre_norm_residual
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The static numbers a traced layer needs (hashable: they specialise the compiled region)."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    scale: float
+    ffn: str
+
+
+def compile_step(fp, compile_mode: Optional[str]) -> Callable:
+    """``torch.compile`` of :func:`static_step` bound to the FastPath ``fp``: ``(token, input_pos, pad, k_cache,
+    v_cache) -> (logits, new_k, new_v)``, compiled on first call of each shape.
+
+    ``compile_mode``: None (Inductor's default) or a mode name such as ``"max-autotune-no-cudagraphs"``."""
+    # size_asserts off: the wrapper would re-check the size and stride of every tensor of every layer on each call
+    # (a third of a `tiny` step); the guards on the step's arguments already pin them, and the weights never change.
+    options = {"guard_filter_fn": _guards_on_inputs_only, "size_asserts": False}
+    if compile_mode is not None:  # mode and options are exclusive in torch.compile
+        options.update(torch._inductor.list_mode_options(compile_mode))
+    # A private copy of the step's code object: Dynamo caches compiled graphs per code object, so every FastPath
+    # gets its own cache (and the guards dropped on `fp` cannot match another model's weights).
+    fresh = types.FunctionType(static_step.__code__.replace(), static_step.__globals__, static_step.__name__,
+                               static_step.__defaults__, static_step.__closure__)
+    return torch.compile(types.MethodType(fresh, fp), dynamic=False, fullgraph=True, options=options)
+
+
+def _guards_on_inputs_only(entries) -> list[bool]:
+    """Dynamo guard filter of the compiled step: keep the guards on the step's arguments (shapes, dtypes: a new
+    batch size or cache length must recompile) and drop those on ``fp`` -- the weights and constants a FastPath
+    never rebinds. Checking ~100 weight guards per call cost ~0.3 ms, a tenth of a small model's step."""
+    return [not entry.name.startswith("L['fp']") and entry.guard_type not in _DROPPED_GUARDS for entry in entries]
+
+
+# The pairwise no-aliasing check spans every tensor the step touches (weights included); the step's own arguments
+# (token, position, padding, per-layer caches) never alias by construction.
+_DROPPED_GUARDS = ("NO_TENSOR_ALIASING",)
+
+
+def static_step(fp, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Tensor,
+                k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]):
+    """The traced step of FastPath ``fp`` over ``seq`` new tokens per row (``token`` ``[batch, seq]``; 1 when
+    decoding): static shapes, the position ``input_pos`` ``[1]`` and the padding ``pad`` ``[batch]`` as tensors.
+
+    ``k_cache``/``v_cache``: per layer ``[batch, n_kv_heads, T, head_dim]``, read only; every query attends to
+    the cached columns ``pad <= column < pos`` (masked scores are ``-inf`` and contribute exact zeros, so the
+    result equals attending to the prefix) and to the new tokens' keys and values up to its own.
+    Returns ``(logits [batch, seq, vocab], new_k, new_v)``, the last two a list per layer of
+    ``[batch, n_kv_heads, seq, head_dim]`` for the caller to write at columns ``pos .. pos + seq - 1``. The
+    graph mutates nothing: with the cache write inside it, the nested compile regions below wrote garbage into
+    the cache for models of more than one layer (torch 2.13; tests/test_compile.py covers it)."""
+    columns = torch.arange(k_cache[0].shape[2], device=token.device)
+    # The cached columns a query sees: the row's own prefix, without the columns being written now (their keys
+    # and values enter the attention directly, see step_layer).
+    key_valid = ((columns[None, :] < input_pos) & (columns[None, :] >= pad[:, None]))[:, None, None, :]
+    offsets = torch.arange(token.shape[1], device=token.device)
+    rope_pos = (input_pos - pad)[:, None] + offsets[None, :]  # [batch, seq]
+    cos = fp.cos[rope_pos][:, :, None, :]
+    sin = fp.sin_signed[rope_pos][:, :, None, :]
+    h = F.embedding(token, fp.embedding).to(ACT_DTYPE)
+    new_k, new_v = [], []
+    g = fp.geometry
+    for i, lw in enumerate(fp.layers):
+        h, k, v = step_layer(h, k_cache[i], v_cache[i], key_valid, cos, sin, lw.attn_norm,
+                             *_proj_args(lw.wqkv), *_proj_args(lw.wo), lw.ffn_norm, *_proj_args(lw.w13),
+                             *_proj_args(lw.w2), g, lw.attn_norm_eps, lw.ffn_norm_eps)
+        new_k.append(k)
+        new_v.append(v)
+    return decode_linear(fp.head, rms_norm(h, fp.final_norm, fp.final_eps)), new_k, new_v
+
+
+def _proj_args(p: Proj) -> tuple:
+    """A projection as plain tensor arguments of a compile region (weight, scale, bias, words); the words, when
+    there are any, replace the weight (they are the same bytes)."""
+    return None if p.words is not None else p.weight, p.scale, p.bias, p.words
+
+
+# A decode layer is one nested compile region: Inductor compiles it once and stamps the code out for every layer,
+# so compile time does not grow with depth (a whole 20-layer step took minutes to compile). One region rather than
+# two halves around the cache write: a region call costs Python wrapper time, and the cache is written outside.
+@torch.compiler.nested_compile_region
+def step_layer(h, k_cache, v_cache, key_valid, cos, sin, attn_norm, wqkv, wqkv_scale, wqkv_bias, wqkv_words,
+               wo, wo_scale, wo_bias, wo_words, ffn_norm, w13, w13_scale, w13_bias, w13_words, w2, w2_scale,
+               w2_bias, w2_words, g: Geometry, attn_eps: float, ffn_eps: float):
+    """One block for ``seq`` new tokens per row: ``h`` ``[batch, seq, dim]`` -> ``(h [batch, seq, dim], k, v)``,
+    ``k``/``v`` ``[batch, n_kv_heads, seq, head_dim]`` the new tokens' keys and values (cache layout, for the
+    caller to write). ``cos``/``sin`` ``[batch, seq, 1, head_dim]``, the sine signed
+    (:func:`~minigpt.model.rope.signed_sine`).
+
+    Each query attends to the cached columns under ``key_valid`` plus, directly, the new keys and values at or
+    before its own position."""
+    nh, nkv, hd = g.n_heads, g.n_kv_heads, g.head_dim
+    new_kv = []  # the attention's new keys and values, the region's other outputs
+
+    def attention(x):
+        batch, seq = x.shape[0], x.shape[1]
+        qkv = decode_linear(Proj(wqkv, wqkv_scale, wqkv_bias, wqkv_words), x).view(batch, seq, nh + 2 * nkv, hd)
+        qk = rope_rotate(qkv[:, :, :nh + nkv], cos, sin)
+        q = qk[:, :, :nh]
+        k = qk[:, :, nh:].transpose(1, 2)  # [batch, n_kv_heads, seq, head_dim]
+        v = qkv[:, :, nh + nkv:].transpose(1, 2)
+        new_kv.extend((k, v))
+        # Scores and weighted values as broadcast reductions rather than batched matmuls: the products are tiny
+        # ([n_rep * seq, head_dim] x [head_dim, T] per KV head), so a BLAS call costs more in overhead than in
+        # arithmetic, while Inductor fuses them with the mask and the softmax into a couple of loops.
+        qg = q.reshape(batch, seq, nkv, nh // nkv, hd).permute(0, 2, 3, 1, 4)[..., None, :] * g.scale
+        scores = (qg * k_cache[:, :, None, None, :, :]).sum(-1)  # [batch, n_kv, n_rep, seq, T]
+        scores = scores.masked_fill(~key_valid[:, :, :, None, :], float("-inf"))
+        # The new keys last, each query seeing those at or before its own position: [..., T + seq].
+        new_scores = (qg * k[:, :, None, None, :, :]).sum(-1)  # [batch, n_kv, n_rep, seq, seq]
+        if seq > 1:
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+            new_scores = new_scores.masked_fill(~causal, float("-inf"))
+        probs = torch.softmax(torch.cat([scores, new_scores], dim=-1), dim=-1)
+        t = k_cache.shape[2]
+        out = ((probs[..., :t, None] * v_cache[:, :, None, None, :, :]).sum(-2)
+               + (probs[..., t:, None] * v[:, :, None, None, :, :]).sum(-2))  # [batch, n_kv, n_rep, seq, head_dim]
+        out = out.permute(0, 3, 1, 2, 4).reshape(batch, seq, nh * hd)
+        return decode_linear(Proj(wo, wo_scale, wo_bias, wo_words), out)
+
+    def feed_forward(x):
+        hidden = ffn_hidden(g.ffn, decode_linear(Proj(w13, w13_scale, w13_bias, w13_words), x))
+        return decode_linear(Proj(w2, w2_scale, w2_bias, w2_words), hidden)
+
+    h = pre_norm_residual(h, lambda x: rms_norm(x, attn_norm, attn_eps), attention,
+                          lambda x: rms_norm(x, ffn_norm, ffn_eps), feed_forward)
+    k, v = new_kv
+    # Clones: a region's outputs may not alias each other or its inputs (they are a few hundred floats).
+    return h, k.clone(), v.clone()

@@ -1,0 +1,344 @@
+"""The :class:`FastPath` wrapper of a :class:`~minigpt.model.transformer.Transformer` (the package docstring of
+:mod:`minigpt.infer.fastpath` describes what it does), and the helpers that build one: :func:`prepare` and
+:func:`load_for_inference`.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minigpt.checkpoint.native import load_model
+from minigpt.infer.fastpath.kernels import ACT_DTYPE, LayerWeights, fuse_projections, int8_words, module_proj
+from minigpt.infer.fastpath.step import Geometry, compile_step
+from minigpt.infer.kv_cache import LayerKVCache
+from minigpt.model.attention import causal_mask, padded_causal_mask
+from minigpt.model.config import ModelConfig
+from minigpt.model.ffn import GATED, ffn_hidden
+from minigpt.model.kv_cache import KVCache
+from minigpt.model.norm import rms_norm
+from minigpt.model.quant import is_quantized, quantize_model
+from minigpt.model.rope import rope_rotate, signed_sine
+from minigpt.model.transformer import Transformer, positions_from_mask, pre_norm_residual
+
+# Cache lengths of the compiled step are rounded up to a multiple of this, so that generations of nearby lengths
+# share one compiled graph (each new [batch, cache length] pair costs a compilation).
+CACHE_BUCKET = 64
+
+
+def supports(config: ModelConfig) -> Optional[str]:
+    """``None`` when the fast path computes this architecture, else the reason it does not (a short phrase)."""
+    if config.pos_encoding != "rope":
+        return f"pos_encoding={config.pos_encoding}"
+    if config.norm != "rmsnorm" or config.norm_position != "pre":
+        return f"norm={config.norm}/{config.norm_position}"
+    if config.n_experts:
+        return "mixture of experts"
+    if config.rope_scaling and config.rope_scaling.get("type") == "dynamic":
+        return "dynamic RoPE scaling"
+    return None
+
+
+class FastPath(nn.Module):
+    """Inference wrapper of a :class:`Transformer` with the fast kernels described in the package docstring.
+
+    ``FastPath(model)`` fuses the model's projections in place (its parameters become views; its outputs do not
+    change) and puts it in eval mode. Call it like the model: ``forward(tokens [batch, seq_len], start_pos, kv_cache,
+    attention_mask, positions=None, last_only=False) -> logits [batch, seq_len or 1, vocab_size]``. For one-token
+    steps use :meth:`decode_step`, which runs the compiled graph when ``compile=True``.
+
+    ``compile_mode``: ``None`` (inductor's default) or e.g. ``"max-autotune-no-cudagraphs"``. Raises
+    ``ValueError`` for an architecture the fast path does not compute (see :func:`supports`) only when
+    ``strict``; otherwise such models run through their own forward.
+    """
+
+    def __init__(self, model: Transformer, fuse: bool = True, compile: bool = False,
+                 compile_mode: Optional[str] = None, strict: bool = False) -> None:
+        super().__init__()
+        model.eval()
+        self.__dict__["model"] = model  # not a submodule: .to()/.float() on the wrapper must not re-materialise views
+        self.config = model.config
+        self.reason = supports(model.config)
+        if self.reason is not None and strict:
+            raise ValueError(f"the fast path does not compute this model ({self.reason})")
+        self.fused = fuse and self.reason is None
+        # The compiled step reads the fused matrices; without fusion it is not offered.
+        self.compiled = compile and self.reason is None and fuse
+        self.compile_mode = compile_mode
+        self.compile_seconds = 0.0  # wall time spent compiling (first call of each new shape), seconds
+        self._step_fn = None
+        self._compiled_shapes: set[tuple[int, int, int]] = set()  # (batch, seq, cache length)
+        self._buffers_i64: dict[tuple, torch.Tensor] = {}
+        if self.reason is None:
+            self._build(fuse)
+
+    # ------------------------------------------------------------------------------------------------ set-up
+    def _build(self, fuse: bool) -> None:
+        c, m = self.config, self.model
+        self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
+        self.n_rep = c.n_heads // c.n_kv_heads
+        gated = c.ffn in GATED
+        self.layers: list[LayerWeights] = []
+        for block in m.layers:
+            a, f = block.attention, block.feed_forward
+            if fuse:
+                wqkv = fuse_projections([a.wq, a.wk, a.wv])
+                w13 = fuse_projections([f.w1, f.w3]) if gated else module_proj(f.w1)
+            else:
+                # Unfused: concatenated copies would double the memory, so the three projections stay apart.
+                wqkv = [module_proj(a.wq), module_proj(a.wk), module_proj(a.wv)]
+                w13 = [module_proj(f.w1), module_proj(f.w3)] if gated else module_proj(f.w1)
+            self.layers.append(LayerWeights(
+                block.attention_norm.weight.detach(), block.ffn_norm.weight.detach(), wqkv, module_proj(a.wo),
+                w13, module_proj(f.w2), block.attention_norm.eps, block.ffn_norm.eps))
+        self.embedding = m.tok_embeddings.weight.detach()
+        self.final_norm = m.norm.weight.detach()
+        self.final_eps = m.norm.eps
+        self.head = module_proj(m.output)
+        if self.compiled:  # int8 weights are read by the compiled step as float32 words (same memory)
+            for p in [self.head] + [q for lw in self.layers for q in (lw.wqkv, lw.wo, lw.w13, lw.w2)]:
+                p.words = int8_words(p.weight)
+        # RoPE tables in the activation dtype, the sine in the signed form rope_rotate takes (signed once, here).
+        self.cos = m.rope_cos.to(ACT_DTYPE)
+        self.sin_signed = signed_sine(m.rope_sin).to(ACT_DTYPE)
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+        self.geometry = Geometry(c.n_heads, c.n_kv_heads, c.head_dim, self.scale, c.ffn)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.tok_embeddings.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.tok_embeddings.weight.dtype
+
+    def weight_bytes(self) -> int:
+        """Bytes read per decode step for the weights: every projection, the norms and the LM head (the embedding
+        row lookup is negligible). The numerator of achieved GB/s = ``weight_bytes * tokens/s``."""
+        if self.reason is not None:
+            return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        n = self.head.nbytes + self.final_norm.numel() * self.final_norm.element_size()
+        for lw in self.layers:
+            for p in (lw.wqkv, lw.wo, lw.w13, lw.w2):
+                n += sum(q.nbytes for q in p) if isinstance(p, list) else p.nbytes
+            n += 2 * lw.attn_norm.numel() * lw.attn_norm.element_size()
+        return n
+
+    def new_kv_cache(self, batch_size: int, max_seq_len: Optional[int] = None,
+                     dtype: Optional[torch.dtype] = None) -> KVCache:
+        """A zeroed cache; with ``compile`` its length is rounded up to :data:`CACHE_BUCKET` (capped at the model's
+        context) so that nearby lengths share a compiled graph."""
+        length = max_seq_len or self.config.max_seq_len
+        if length > self.config.max_seq_len:
+            raise ValueError(f"cache length {length} exceeds the model's max_seq_len {self.config.max_seq_len}")
+        if self.reason is not None:
+            return self.model.new_kv_cache(batch_size, length, dtype or self.act_dtype)
+        if self.compiled:
+            length = min(self.config.max_seq_len, -(-length // CACHE_BUCKET) * CACHE_BUCKET)
+        c = self.config
+        return LayerKVCache(c.n_layers, batch_size, c.n_kv_heads, length, c.head_dim, dtype or self.act_dtype,
+                            self.device)
+
+    @property
+    def act_dtype(self) -> torch.dtype:
+        """The dtype of the activations and of the KV cache: float32 (:data:`ACT_DTYPE`) on the fast path, the
+        weights' own dtype for models it hands back to their ``forward``."""
+        return ACT_DTYPE if self.reason is None else self.dtype
+
+    # ------------------------------------------------------------------------------------------------ forward
+    @staticmethod
+    def _project(p, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([q(x) for q in p], dim=-1) if isinstance(p, list) else p(x)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        start_pos: int = 0,
+        kv_cache: Optional[KVCache] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        positions: Optional[torch.Tensor] = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits ``[batch, seq_len, vocab]`` (``[batch, 1, vocab]`` with ``last_only``) of ``tokens`` at
+        ``start_pos``; same contract as :meth:`Transformer.forward`. ``positions`` ``[batch, seq_len]`` (int64):
+        the RoPE positions when the caller already knows them (they are ``cumsum(attention_mask) - 1`` otherwise).
+        Raises ``ValueError`` when the sequence passes ``max_seq_len`` or the cache."""
+        if self.reason is not None:
+            logits = self.model(tokens, start_pos, kv_cache, attention_mask)
+            return logits[:, -1:] if last_only else logits
+        batch, seq_len = tokens.shape
+        end = start_pos + seq_len
+        if end > self.config.max_seq_len:
+            raise ValueError(f"sequence of {end} positions exceeds the model's max_seq_len {self.config.max_seq_len}")
+        if attention_mask is not None and tuple(attention_mask.shape) != (batch, end):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(batch, end)} "
+                             "(batch, cached + new tokens)")
+        if positions is None and attention_mask is not None:
+            positions = positions_from_mask(attention_mask, start_pos, seq_len)
+        if positions is None:
+            cos = self.cos[start_pos:end, None, :]  # [seq_len, 1, head_dim]: broadcast over batch and heads
+            sin = self.sin_signed[start_pos:end, None, :]
+        else:
+            cos = self.cos[positions][:, :, None, :]  # [batch, seq_len, 1, head_dim]
+            sin = self.sin_signed[positions][:, :, None, :]
+
+        # Attention masks: none for a plain causal prefill (SDPA's causal kernel) or an unpadded single-token step.
+        mask, key_valid = None, None
+        if attention_mask is not None:
+            if seq_len == 1:
+                key_valid = attention_mask.bool()[:, None, None, :]  # [batch, 1, 1, end]
+            else:
+                mask = padded_causal_mask(attention_mask, seq_len)
+        elif seq_len > 1 and start_pos > 0:
+            mask = causal_mask(seq_len, end, tokens.device)
+
+        h = F.embedding(tokens, self.embedding).to(ACT_DTYPE)
+        last_layer = len(self.layers) - 1
+        for i, lw in enumerate(self.layers):
+            h = self._block(i, lw, h, cos, sin, start_pos, kv_cache, mask, key_valid,
+                            last_only=last_only and i == last_layer)
+        return self.head(rms_norm(h, self.final_norm, self.final_eps))
+
+    def _block(self, i, lw: LayerWeights, h, cos, sin, start_pos, kv_cache, mask, key_valid,
+               last_only: bool = False):
+        """One block over ``h`` ``[batch, seq_len, dim]``: the model's pre-norm residual block over the fused
+        weights. With ``last_only`` it still writes every position's key and value to the cache but returns the
+        last position alone, ``[batch, 1, dim]``."""
+        nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+
+        def attention(x):
+            batch, seq_len, _ = x.shape
+            qkv = self._project(lw.wqkv, x).view(batch, seq_len, nh + 2 * nkv, hd)
+            qk = rope_rotate(qkv[:, :, :nh + nkv], cos, sin)
+            q, k, v = qk[:, :, :nh], qk[:, :, nh:], qkv[:, :, nh + nkv:]
+            if kv_cache is not None:
+                keys, values = kv_cache.update(i, start_pos, k.transpose(1, 2), v.transpose(1, 2))
+            else:
+                if start_pos:
+                    raise ValueError("start_pos > 0 needs a kv_cache holding the earlier positions")
+                keys, values = k.transpose(1, 2), v.transpose(1, 2)
+            if last_only and seq_len > 1:
+                # The last query sees every key, so the causal mask reduces to its last row (all True without
+                # padding).
+                q, seq_len = q[:, -1:], 1
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values,
+                                                     attn_mask=None if mask is None else mask[..., -1:, :],
+                                                     enable_gqa=self.n_rep > 1).transpose(1, 2)
+            elif seq_len == 1:
+                out = self._attend_one(q, keys, values, key_valid)
+            else:
+                out = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None and start_pos == 0,
+                    enable_gqa=self.n_rep > 1).transpose(1, 2)
+            return lw.wo(out.reshape(batch, seq_len, nh * hd))
+
+        def feed_forward(x):
+            return lw.w2(ffn_hidden(self.config.ffn, self._project(lw.w13, x)))
+
+        return pre_norm_residual(h, lambda x: rms_norm(x, lw.attn_norm, lw.attn_norm_eps), attention,
+                                 lambda x: rms_norm(x, lw.ffn_norm, lw.ffn_norm_eps), feed_forward, last_only)
+
+    def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    key_valid: Optional[torch.Tensor]) -> torch.Tensor:
+        """Attention of one query per row: ``q`` ``[batch, 1, n_heads, head_dim]``, ``keys``/``values``
+        ``[batch, n_kv_heads, kv_len, head_dim]``, ``key_valid`` bool broadcastable to ``[batch, n_kv_heads, n_rep,
+        kv_len]`` or None. Returns ``[batch, 1, n_heads, head_dim]``.
+
+        The query group of each KV head is one ``[n_rep, head_dim] x [head_dim, kv_len]`` product (the GQA layout of
+        gpt-fast/llama.cpp), softmax in float32 as SDPA's math path."""
+        batch = q.shape[0]
+        qg = q.reshape(batch, self.n_kv_heads, self.n_rep, self.head_dim) * self.scale
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float()
+        if key_valid is not None:
+            scores = scores.masked_fill(~key_valid, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        return torch.matmul(probs, values).view(batch, 1, self.n_heads, self.head_dim)
+
+    # ------------------------------------------------------------------------------------------- decode step
+    def decode_step(self, token: torch.Tensor, pos: int, kv_cache: KVCache,
+                    attention_mask: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
+                    pad: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits ``[batch, vocab]`` of one new token per row (``token`` ``[batch, 1]``) written at cache column
+        ``pos``.
+
+        Eager: ``attention_mask`` ``[batch, pos + 1]`` and ``positions`` ``[batch, 1]`` as in :meth:`forward`.
+        Compiled: the padding is described by ``pad`` ``[batch]`` (int64, the number of left-padding columns of each
+        row; None = no padding), RoPE position ``pos - pad``, and the graph is shared by every ``pos``.
+        """
+        if not self.compiled:
+            return self(token, pos, kv_cache, attention_mask, positions)[:, -1]
+        return self.decode_tokens(token, pos, kv_cache, pad)[:, -1]
+
+    def decode_tokens(self, tokens: torch.Tensor, pos: int, kv_cache: KVCache,
+                      pad: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits ``[batch, seq, vocab]`` of ``seq`` new tokens per row (``tokens`` ``[batch, seq]``) written at cache
+        columns ``pos .. pos + seq - 1``: a few tokens at once, such as the k + 1 of a speculative verify, through
+        the compiled step when ``compile`` (one graph per ``[batch, seq, cache length]``; while ``batch * seq <=``
+        :data:`DECODE_ROWS_MAX` the weights are still read once), else through :meth:`forward`. ``pad`` as in
+        :meth:`decode_step`. Raises ``ValueError`` when the tokens do not fit in the cache or (compiled) the cache
+        is not one of :meth:`new_kv_cache` with this batch size."""
+        batch, seq = tokens.shape
+        kv_cache.check_fits(pos + seq)
+        if not self.compiled:
+            return self(tokens, pos, kv_cache)
+        if pad is None:
+            pad = self._buffer(("pad", batch), batch)
+        key = (batch, seq, kv_cache.max_seq_len)
+        if self._step_fn is None:
+            self._step_fn = compile_step(self, self.compile_mode)
+        first = key not in self._compiled_shapes
+        t0 = time.perf_counter()
+        input_pos = self._buffer(("pos",), 1).fill_(pos)  # reused: no allocation per step
+        if not isinstance(kv_cache, LayerKVCache) or kv_cache.batch_size != batch:
+            raise ValueError("the compiled decode step needs a cache from FastPath.new_kv_cache of the same batch size")
+        logits, new_k, new_v = self._step_fn(tokens, input_pos, pad, kv_cache.k, kv_cache.v)
+        # The new columns are written here, outside the graph (see step.static_step): 2 x n_layers small copies.
+        for cache_k, cache_v, k, v in zip(kv_cache.k, kv_cache.v, new_k, new_v):
+            cache_k[:, :, pos:pos + seq].copy_(k)
+            cache_v[:, :, pos:pos + seq].copy_(v)
+        if first:
+            self._compiled_shapes.add(key)
+            self.compile_seconds += time.perf_counter() - t0
+        return logits
+
+    def _buffer(self, key: tuple, size: int) -> torch.Tensor:
+        """A persistent zeroed int64 tensor of ``size`` elements per ``key`` (step inputs reused across steps)."""
+        if key not in self._buffers_i64:
+            # A normal tensor even when first made under inference_mode (generate runs there): an inference
+            # tensor could not be refilled by a later step outside it.
+            with torch.inference_mode(False):
+                self._buffers_i64[key] = torch.zeros(size, dtype=torch.long, device=self.device)
+        return self._buffers_i64[key]
+
+
+def prepare(model: Transformer, dtype: Optional[torch.dtype] = None, quantize: Optional[str] = None,
+            fuse: bool = True, compile: bool = False, compile_mode: Optional[str] = None) -> FastPath:
+    """Convert ``model`` in place for inference and wrap it: cast to ``dtype`` (bf16 weights are an option; the
+    norms' statistics and the softmax stay float32), quantize (``"int8"``: weight-only per-channel, see
+    :mod:`minigpt.model.quant`; skipped when the model is already quantized), fuse, and optionally compile the decode
+    step. Raises ``ValueError`` for an unknown ``quantize``."""
+    if dtype is not None and not is_quantized(model):
+        model.to(dtype=dtype)
+    if quantize not in (None, "none", "int8"):
+        raise ValueError(f"unknown quantization {quantize!r}; choose int8 or none")
+    if quantize == "int8" and not is_quantized(model):
+        quantize_model(model)
+    return FastPath(model, fuse=fuse, compile=compile, compile_mode=compile_mode)
+
+
+def load_for_inference(source, device: torch.device | str = "cpu", dtype: Optional[torch.dtype] = None,
+                       quantize: Optional[str] = None, compile: bool = False, compile_mode: Optional[str] = None,
+                       fast: bool = True):
+    """Load any model source (:func:`minigpt.checkpoint.native.load_model`) ready to generate: a :class:`FastPath`
+    (``fast``) or the plain :class:`Transformer` (``fast=False``; ``compile`` then does not apply, ``quantize``
+    still does). Raises :class:`~minigpt.errors.MiniGPTError` for unreadable sources."""
+    model = load_model(source, device=device, dtype=dtype)
+    if not fast:
+        if quantize == "int8" and not is_quantized(model):
+            quantize_model(model)
+        return model
+    return prepare(model, quantize=quantize, compile=compile, compile_mode=compile_mode)

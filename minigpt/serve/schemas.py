@@ -1,0 +1,196 @@
+"""Request schemas of the OpenAI-compatible API (:mod:`minigpt.serve.app`): which fields each endpoint takes, how
+they are checked, and the error every check raises.
+
+Shapes and ranges follow OpenAI's public API reference for the legacy Completions and the Chat Completions
+endpoints. Parameters accepted: ``model``, ``prompt`` / ``messages``, ``max_tokens`` (chat also
+``max_completion_tokens``), ``temperature`` (0 to 2), ``top_p`` ((0, 1]), ``top_k`` (an extension; 0 or -1: off),
+``stop`` (a string or up to 16 strings), ``seed``, ``stream``, ``stream_options.include_usage``, ``user`` (ignored).
+The fields in :data:`NEUTRAL_FIELDS` (``n``, ``logprobs``, penalties, tools, ...) are accepted only with their
+neutral value; any other value, and any unknown field, is a 400 naming the field.
+
+Every check raises :class:`ApiError`, which the app answers as ``{"error": {"message", "type", "param", "code"}}``.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Optional
+
+from minigpt.infer.sampling import SamplingParams
+
+NEUTRAL_FIELDS: dict[str, tuple] = {
+    # field: values that ask for nothing we do not do
+    "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0),
+    "echo": (None, False), "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "parallel_tool_calls": (None, True, False),
+}
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
+                 "user"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"} | set(NEUTRAL_FIELDS)
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"} | set(NEUTRAL_FIELDS)
+MAX_STOP_STRINGS = 16
+
+
+class ApiError(Exception):
+    """An error answered as ``{"error": {...}}`` with HTTP ``status``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: Optional[str] = None,
+                 code: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> ApiError:
+    """A 400 ``invalid_request_error`` naming ``param``."""
+    return ApiError(400, message, "invalid_request_error", param, code)
+
+
+def to_json(obj: Any) -> str:
+    """Compact JSON, non-ASCII kept: the form of SSE chunks and of values quoted in error messages."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def is_int(x: Any) -> bool:
+    """An integer that is not a bool (JSON ``true`` must not pass as 1)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return (is_int(x) or isinstance(x, float)) and math.isfinite(x)
+
+
+def _is_neutral(value: Any, allowed: tuple) -> bool:
+    for v in allowed:
+        if v is None or isinstance(v, bool):
+            if value is v:
+                return True
+        elif isinstance(v, (int, float)):
+            if _is_number(value) and value == v:
+                return True
+        elif type(value) is type(v) and value == v:
+            return True
+    return False
+
+
+async def read_json(request) -> dict:
+    """The request's body as a JSON object; malformed JSON or another JSON type is a 400 ``invalid_json``."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", None, "invalid_json")
+    return body
+
+
+def check_fields(body: dict, allowed: set[str]) -> None:
+    """Reject fields outside ``allowed`` (``unknown_parameter``) and non-neutral values of :data:`NEUTRAL_FIELDS`
+    (``unsupported_parameter``)."""
+    for key in body:
+        if key not in allowed:
+            raise bad_request(f"unrecognized request argument supplied: {key}", key, "unknown_parameter")
+    for key, neutral in NEUTRAL_FIELDS.items():
+        if key in body and not _is_neutral(body[key], neutral):
+            raise bad_request(f"'{key}' = {to_json(body[key])} is not supported by this server (only "
+                              f"{to_json(neutral[-1])} is accepted)", key, "unsupported_parameter")
+
+
+def parse_sampling(body: dict, chat: bool = False) -> tuple[SamplingParams, Optional[int]]:
+    """Sampling parameters of a request body and its ``max_tokens`` (None: not given); the length limits are
+    checked against the prompt later (:meth:`Engine.validate`)."""
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(key)
+    if max_tokens is not None and not is_int(max_tokens):
+        raise bad_request(f"'{key}' must be an integer, got {to_json(max_tokens)}", key)
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"'{key}' must be at least 1, got {max_tokens}", key)
+    temperature = body.get("temperature")
+    if temperature is None:
+        temperature = 1.0
+    elif not _is_number(temperature) or not 0 <= temperature <= 2:
+        raise bad_request(f"'temperature' must be a number between 0 and 2, got {to_json(temperature)}",
+                          "temperature")
+    top_p = body.get("top_p")
+    if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
+        raise bad_request(f"'top_p' must be a number in (0, 1], got {to_json(top_p)}", "top_p")
+    top_k = body.get("top_k")
+    if top_k is not None and (not is_int(top_k) or top_k < -1):
+        raise bad_request(f"'top_k' must be a non-negative integer (0 or -1: off), got {to_json(top_k)}", "top_k")
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = tuple(stop)
+    else:
+        raise bad_request("'stop' must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+        raise bad_request(f"'stop' takes at most {MAX_STOP_STRINGS} non-empty strings", "stop")
+    seed = body.get("seed")
+    if seed is not None and not is_int(seed):
+        raise bad_request(f"'seed' must be an integer, got {to_json(seed)}", "seed")
+    if seed is not None:
+        seed %= 2**63  # torch.Generator takes a 64-bit seed; negative seeds are valid in OpenAI's API
+    # max_tokens is filled in once the prompt length is known.
+    params = SamplingParams(max_tokens=0, temperature=float(temperature),
+                            top_k=top_k if top_k and top_k > 0 else None,
+                            top_p=float(top_p) if top_p is not None and top_p < 1 else None, stop=stops, seed=seed)
+    return params, max_tokens
+
+
+def parse_stream_flags(body: dict) -> tuple[bool, bool]:
+    """``(stream, stream_options.include_usage)`` of a request body, both False when absent."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request(f"'stream' must be a boolean, got {to_json(stream)}", "stream")
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
+            raise bad_request("'stream_options' must be an object with at most 'include_usage'", "stream_options")
+        include_usage = opts.get("include_usage") or False
+        if not isinstance(include_usage, bool):
+            raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options")
+    return bool(stream), include_usage
+
+
+def _message_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"{where}[{i}] must be a text part {{'type': 'text', 'text': ...}} (no images or "
+                                  f"audio)", where)
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad_request(f"{where} must be a string or a list of text parts", where)
+
+
+def parse_messages(messages: Any) -> list[dict[str, str]]:
+    """``[{"role", "content"}]`` with string contents; raises :class:`ApiError` naming ``messages[i]...``."""
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"{where} must be an object", where)
+        unknown = set(m) - {"role", "content", "name"}
+        if unknown:
+            raise bad_request(f"{where} has unsupported field(s) {sorted(unknown)}", f"{where}.{sorted(unknown)[0]}")
+        role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant"):
+            raise bad_request(f"{where}.role must be one of system, developer, user, assistant; got {to_json(role)}",
+                              f"{where}.role")
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": _message_text(m.get("content"), f"{where}.content")})
+    return out

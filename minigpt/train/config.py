@@ -1,0 +1,72 @@
+"""The options every training recipe has (:class:`TrainerConfig`), read by :class:`minigpt.train.trainer.Trainer`.
+
+A recipe subclasses it with its own fields, as :class:`minigpt.train.loop.TrainConfig` adds the data, the model
+preset and the context length of pretraining; ``from_dict`` then accepts the union.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from minigpt.model.config import dataclass_from_dict
+from minigpt.runtime import DTYPES
+
+
+@dataclass
+class TrainerConfig:
+    """The options every recipe has: run directory, optimizer, schedule, budget, intervals, device and precision,
+    data parallelism. Recipes subclass it with their own fields."""
+
+    out_dir: str = "runs/train"
+    batch_size: int = 16  # sequences (or examples) per micro-batch per rank
+    grad_accum: int = 1
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    max_steps: Optional[int] = None
+    max_time: Optional[float] = None  # seconds of training (evaluation and checkpointing excluded)
+    eval_interval: int = 200
+    log_interval: int = 10
+    ckpt_interval: int = 500
+    keep_checkpoints: int = 2
+    device: str = "auto"
+    dtype: str = "float32"
+    seed: int = 1337
+    threads: Optional[int] = None
+    compile: bool = False  # torch.compile the model; the compile time is part of the first step's time
+    resume: bool = False
+    max_bad_steps: int = 5  # abort after this many consecutive non-finite steps (each one is skipped)
+    parallel: str = "none"  # none | ddp | fsdp (under torchrun; ddp is used if a multi-rank run says none)
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_steps is None and self.max_time is None:
+            raise ValueError("set --max-steps and/or --max-time: the schedule needs a budget")
+        if self.parallel not in ("none", "ddp", "fsdp"):
+            raise ValueError(f"parallel must be none, ddp or fsdp, got {self.parallel!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("batch_size", "grad_accum", "eval_interval", "log_interval", "ckpt_interval", "max_bad_steps"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError("lr must be positive and min_lr_ratio in [0, 1]")
+        if self.max_steps is not None and self.max_steps <= 0:
+            raise ValueError(f"max_steps must be positive, got {self.max_steps}")
+        if self.max_time is not None and self.max_time <= 0:
+            raise ValueError(f"max_time must be positive, got {self.max_time}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as a dict, in the order config.yaml lists them (the fields' order unless a recipe says)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        """Build from a dict; unknown keys raise ``ValueError`` listing them."""
+        return dataclass_from_dict(cls, d, "training option")
