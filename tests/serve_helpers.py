@@ -23,7 +23,7 @@ def train_tiny_model(data_dir: Path, out: Path, steps: int = 200):
     """A TINY_MODEL-shaped model trained for ``steps`` AdamW steps on ``data_dir`` (a second or two): its greedy
     text varies like real text, and its logits have realistic gaps, unlike a random init's near-ties."""
     from minigpt.checkpoint.native import save_pretrained
-    from minigpt.data.prepare import BatchSampler, load_split
+    from minigpt.data.loader import BatchSampler, load_split
     from minigpt.model.config import ModelConfig
     from minigpt.model.transformer import Transformer
     from minigpt.tokenizer.tokenizer import Tokenizer

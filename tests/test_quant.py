@@ -106,7 +106,7 @@ def test_export_refuses_a_quantized_model(tmp_path):
 def test_int8_perplexity_change_on_real_text_is_small(tiny_data):
     """Train a small model briefly on the Shakespeare slice, then compare validation perplexity of float and int8
     weights (the full-size measurement on the `small` preset is in docs/benchmarks.md)."""
-    from minigpt.data.prepare import load_split
+    from minigpt.data.loader import load_split
     from minigpt.tokenizer.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(tiny_data)
@@ -149,7 +149,7 @@ def test_prepare_quantizes_and_fuses():
 
 def test_quant_report_on_a_checkpoint(tiny_data, tmp_path):
     """`minigpt bench quant`'s report: perplexity of both, relative change, decode speeds (values not asserted)."""
-    from minigpt.analysis.bench.infer import quant_report
+    from minigpt.analysis.bench.reports import quant_report
     from minigpt.tokenizer.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(tiny_data)

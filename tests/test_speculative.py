@@ -173,7 +173,7 @@ def test_speculative_sampling_matches_the_target_end_to_end():
 
 def test_speculative_report(tiny_data, tmp_path):
     """`minigpt bench speculative`'s report on saved checkpoints: greedy outputs identical, counters consistent."""
-    from minigpt.analysis.bench.infer import speculative_report
+    from minigpt.analysis.bench.reports import speculative_report
     from minigpt.checkpoint.native import save_pretrained
     from minigpt.tokenizer.tokenizer import Tokenizer
 

@@ -54,8 +54,7 @@ try:
 except ImportError:  # Windows: no advisory locks (see _DirLock)
     fcntl = None
 
-__all__ = ["DEFAULT_TOKENIZER_SAMPLE_BYTES", "default_workers", "prepare",
-           "META_FILE", "BatchSampler", "bits_per_byte", "eval_windows", "load_meta", "load_split"]
+__all__ = ["DEFAULT_TOKENIZER_SAMPLE_BYTES", "default_workers", "prepare"]
 
 #: Default of ``prepare(tokenizer_sample_bytes=...)``: the BPE is trained on the first 200 MB (UTF-8 bytes) of the
 #: train split. Trainer time grows with the bytes read (about 2.3 MB/s on the 2 shared cores of the development

@@ -36,6 +36,7 @@ from minigpt.analysis.ablate.bench import attention_benchmark, norm_benchmark, t
 from minigpt.analysis.ablate.report import write_report
 from minigpt.analysis.estimate import activation_bytes, count_parameters, kv_cache_bytes_per_token
 from minigpt.checkpoint.native import load_model
+from minigpt.data import loader
 from minigpt.data import prepare as data_mod
 from minigpt.errors import MiniGPTError
 from minigpt.model.config import ModelConfig, preset
@@ -184,8 +185,8 @@ def _context_child(checkpoint: str, data_dir: str, seq_len: int, n_tokens: int, 
 
     torch.set_num_threads(threads)
     model = load_model(checkpoint)
-    val = torch.from_numpy(data_mod.load_split(data_dir, "val")[:n_tokens + 1].astype("int64"))
-    meta = data_mod.load_meta(data_dir)
+    val = torch.from_numpy(loader.load_split(data_dir, "val")[:n_tokens + 1].astype("int64"))
+    meta = loader.load_meta(data_dir)
     out = {}
     for factor in (1, 2, 4):
         length = seq_len * factor
@@ -194,7 +195,7 @@ def _context_child(checkpoint: str, data_dir: str, seq_len: int, n_tokens: int, 
         y = val[1:n * length + 1].view(n, length)
         loss = evaluate(model, x, y, max(1, 2048 // length), nullcontext())
         out[str(factor)] = {"val_loss": loss,
-                            "val_bpb": data_mod.bits_per_byte(loss, meta["val"]["tokens"], meta["val"]["bytes"])}
+                            "val_bpb": loader.bits_per_byte(loss, meta["val"]["tokens"], meta["val"]["bytes"])}
     Path(path).write_text(json.dumps(out))
 
 

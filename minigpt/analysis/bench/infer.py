@@ -45,8 +45,6 @@ import torch
 import torch.nn.functional as F
 
 from minigpt.analysis.bench.reports import add_report_parsers
-from minigpt.analysis.bench.reports import quant_report as quant_report  # re-exported: it lived here before
-from minigpt.analysis.bench.reports import speculative_report as speculative_report  # re-exported, likewise
 from minigpt.analysis.bench.timing import time_round_robin
 from minigpt.checkpoint.convert import export_hf
 from minigpt.checkpoint.native import load_model, save_pretrained
