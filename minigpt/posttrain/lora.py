@@ -63,6 +63,7 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Linear(self.in_features, lora_rank, bias=False, device=weight.device, dtype=dtype)
         self.lora_B = nn.Linear(lora_rank, self.out_features, bias=False, device=weight.device, dtype=dtype)
         self.reset_lora_parameters()
+        self.train(base_layer.training)  # a layer added to a model in eval mode must not start dropping out
 
     def reset_lora_parameters(self) -> None:
         """``A`` Kaiming-uniform (``a = sqrt(5)``, nn.Linear's and PEFT's default), ``B`` zeros: delta W = 0."""
