@@ -218,3 +218,21 @@ def test_adapter_refuses_unsupported_peft_features(tmp_path):
         load_adapter(tiny_model(), tmp_path / "a")
     with pytest.raises(MiniGPTError, match="adapter_config.json is missing"):
         load_adapter(tiny_model(), tmp_path)
+
+
+def test_adapters_follow_the_model_train_eval_mode(tmp_path):
+    """Adapters added to a model in eval mode do not drop out (a PEFT adapter loaded for inference is deterministic)."""
+    model = tiny_model()
+    apply_lora(model, 4, 8, lora_dropout=0.5)
+    randomize_b(model)
+    assert not any(m.training for m in lora_layers(model).values())
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), model(x), atol=0, rtol=0)
+    save_adapter(model, tmp_path / "a")
+    fresh = tiny_model()
+    load_adapter(fresh, tmp_path / "a")
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(x), model(x), atol=0, rtol=0)
+    fresh.train()
+    assert all(m.training for m in lora_layers(fresh).values())
