@@ -147,6 +147,7 @@ def read_conversations(path: str | Path, strict: bool = False, report: Optional[
                 if strict:
                     raise MiniGPTError(f"{where}: {e}") from None
                 report.skipped[e.reason] += 1
+    report.kept = len(out)
     return out
 
 
