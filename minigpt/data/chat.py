@@ -65,11 +65,11 @@ class SkipReport:
     kept: int = 0
     skipped: Counter = field(default_factory=Counter)
 
-    def summary(self, name: str) -> str:
-        """One line: ``NAME: 98 conversations, 2 skipped (invalid JSON 1, too long 1)``."""
+    def summary(self, name: str, unit: str = "conversations") -> str:
+        """One line: ``NAME: 98 conversations, 2 skipped (invalid JSON 1, too long 1)`` (``unit``: what is kept)."""
         n = sum(self.skipped.values())
         reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(self.skipped.items()))
-        return f"{name}: {self.kept} conversations" + (f", {n} skipped ({reasons})" if n else "")
+        return f"{name}: {self.kept} {unit}" + (f", {n} skipped ({reasons})" if n else "")
 
 
 class BadLine(ValueError):

@@ -15,7 +15,8 @@ as in a PEFT ``LoraConfig``. The PEFT file format is :mod:`minigpt.posttrain.ada
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -62,6 +63,7 @@ class LoRALinear(nn.Module):
         self.lora_dropout = nn.Dropout(lora_dropout) if lora_dropout > 0 else nn.Identity()
         self.lora_A = nn.Linear(self.in_features, lora_rank, bias=False, device=weight.device, dtype=dtype)
         self.lora_B = nn.Linear(lora_rank, self.out_features, bias=False, device=weight.device, dtype=dtype)
+        self.disabled = False  # True inside adapters_disabled(): the layer computes the base alone
         self.reset_lora_parameters()
         self.train(base_layer.training)  # a layer added to a model in eval mode must not start dropping out
 
@@ -72,6 +74,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
+        if self.disabled:
+            return y
         a = self.lora_A.weight
         update = self.lora_B(self.lora_A(self.lora_dropout(x.to(a.dtype))))
         return y + (update * self.scaling).to(y.dtype)
@@ -183,6 +187,22 @@ def merge_lora(model: nn.Module) -> nn.Module:
         parent_name, child = name.rsplit(".", 1)
         setattr(model.get_submodule(parent_name), child, layer.merged())
     return model
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block every :class:`LoRALinear` of ``model`` computes its frozen base alone, so ``model`` is the
+    base model without a second copy in memory (PEFT's ``PeftModel.disable_adapter()``, which TRL's DPO uses as the
+    reference model of a LoRA policy). The previous state is restored on exit, also after an exception."""
+    layers = list(lora_layers(model).values())
+    before = [layer.disabled for layer in layers]
+    for layer in layers:
+        layer.disabled = True
+    try:
+        yield model
+    finally:
+        for layer, state in zip(layers, before):
+            layer.disabled = state
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -272,21 +272,22 @@ def sft(cfg: SFTConfig) -> dict[str, Any]:
     return last
 
 
-def check_out_dir(out_dir: Path, source: Path) -> None:
-    """Refuse an ``out_dir`` that is the model being tuned or a non-empty directory that is not an earlier SFT
-    output: the final atomic write replaces the whole directory."""
+def check_out_dir(out_dir: Path, source: Path, config_file: str = "sft_config.json", kind: str = "SFT") -> None:
+    """Refuse an ``out_dir`` that is the model being tuned or a non-empty directory that is not an earlier output
+    of the same kind (one holding ``config_file``): the final atomic write replaces the whole directory."""
     if out_dir.exists() and out_dir.resolve() == Path(source).resolve():
         raise MiniGPTError(f"--out-dir {out_dir} is the model being fine-tuned; choose another directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "sft_config.json").is_file() \
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / config_file).is_file() \
             and [p.name for p in out_dir.iterdir()] != ["metrics.jsonl"]:
-        raise MiniGPTError(f"--out-dir {out_dir} is a non-empty directory that is not an SFT output; it would be "
+        raise MiniGPTError(f"--out-dir {out_dir} is a non-empty directory that is not an {kind} output; it would be "
                            "replaced: choose a new or empty directory")
 
 
-def save_sft_output(model, tokenizer, template: str, out_dir: Path, cfg: SFTConfig, base: str,
-                    modules_to_save: list[str]) -> None:
-    """Atomically replace ``out_dir`` by the model directory (adapters merged), its chat template, the PEFT
-    adapter folder (LoRA), ``sft_config.json`` and the ``metrics.jsonl`` written so far."""
+def save_sft_output(model, tokenizer, template: Optional[str], out_dir: Path, cfg, base: str,
+                    modules_to_save: list[str], config_file: str = "sft_config.json") -> None:
+    """Atomically replace ``out_dir`` by the model directory (adapters merged), its chat template (if any), the
+    PEFT adapter folder (LoRA, when ``cfg.lora``), ``config_file`` (``cfg`` as JSON) and the ``metrics.jsonl``
+    written so far."""
     metrics = (out_dir / "metrics.jsonl").read_text() if (out_dir / "metrics.jsonl").is_file() else ""
     model.eval()
     with atomic_dir(out_dir) as tmp:
@@ -294,6 +295,7 @@ def save_sft_output(model, tokenizer, template: str, out_dir: Path, cfg: SFTConf
             save_adapter(model, tmp / "adapter", base_model_name_or_path=base, modules_to_save=modules_to_save)
             merge_lora(model)
         write_model_files(model, tmp, tokenizer)
-        (tmp / "chat_template.jinja").write_text(template, encoding="utf-8")
-        (tmp / "sft_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+        if template is not None:
+            (tmp / "chat_template.jinja").write_text(template, encoding="utf-8")
+        (tmp / config_file).write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
         (tmp / "metrics.jsonl").write_text(metrics)

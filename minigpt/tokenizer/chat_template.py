@@ -193,6 +193,11 @@ class ChatTemplate:
         ``AutoTokenizer.apply_chat_template(messages, tokenize=True)``."""
         return self._hf.encode(self.render(messages, add_generation_prompt), add_special_tokens=False).ids
 
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of plain ``text`` with the added tokens recognised, as ``transformers``'
+        ``tokenizer(text, add_special_tokens=False)`` (TRL tokenizes non-conversational prompts this way)."""
+        return self._hf.encode(text, add_special_tokens=False).ids
+
     def encode_with_mask(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[bool]]:
         """``(ids, assistant_mask)``: the ids of the whole conversation and, per token, whether it belongs to an
         assistant turn. A token counts when its characters overlap a span (``transformers`` maps a span's first
