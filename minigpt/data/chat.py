@@ -1,0 +1,295 @@
+"""Chat data for supervised fine-tuning: JSONL conversations -> token ids with loss labels -> padded or packed batches.
+
+Input: one JSON object per line, in any of three layouts, converted on load to OpenAI's ``messages``:
+
+* OpenAI / TRL: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`` (multi-turn);
+* Alpaca (Taori et al. 2023): ``{"instruction", "input", "output"}`` -> one user turn (``instruction``, plus
+  ``"\\n\\n" + input`` when ``input`` is non-empty, the rule of the data in ``shared/data/sft``) and one assistant turn;
+* ShareGPT: ``{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}``.
+
+A line that cannot be used (invalid JSON, unknown layout or role, empty content, no assistant turn, longer than the
+model's context once rendered) is skipped and counted; :class:`SkipReport` prints one summary line. With
+``strict=True`` the first such line raises :class:`~minigpt.errors.MiniGPTError` naming ``file:line`` instead.
+
+Labels follow the Hugging Face convention: ``labels`` is aligned with ``input_ids`` and holds ``-100`` (ignored)
+everywhere except the assistant turns' tokens, their closing ``<|im_end|>`` included (``train_on_prompt``: every
+token); the model's logits at position ``t`` are scored against ``labels[t + 1]`` (:func:`masked_lm_loss`).
+
+Batches: rows right-padded to the longest (:func:`pad_batch`; causal attention never lets a real token see the
+padding after it), or several conversations packed per row (:func:`pack_examples`, :func:`packed_batch`) with
+positions restarting at each conversation and a block-diagonal causal mask, so that packing changes no logit.
+"""
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from minigpt.errors import MiniGPTError
+from minigpt.tokenizer.chat_template import ChatTemplate
+
+IGNORE_INDEX = -100  # PyTorch's cross_entropy default ignore_index, and Hugging Face's label convention
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+                  "system": "system"}
+
+
+@dataclass
+class ChatExample:
+    """One tokenized conversation: ``input_ids`` and ``labels`` (same length, ``-100`` = not scored); ``source``
+    is ``file:line``."""
+
+    input_ids: list[int]
+    labels: list[int]
+    source: str = ""
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def n_targets(self) -> int:
+        """Tokens the loss scores (the first token is never predicted)."""
+        return sum(1 for y in self.labels[1:] if y != IGNORE_INDEX)
+
+
+@dataclass
+class SkipReport:
+    """Counts of lines kept and skipped by reason (``invalid JSON``, ``unknown role``...)."""
+
+    kept: int = 0
+    skipped: Counter = field(default_factory=Counter)
+
+    def summary(self, name: str, unit: str = "conversations") -> str:
+        """One line: ``NAME: 98 conversations, 2 skipped (invalid JSON 1, too long 1)`` (``unit``: what is kept)."""
+        n = sum(self.skipped.values())
+        reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(self.skipped.items()))
+        return f"{name}: {self.kept} {unit}" + (f", {n} skipped ({reasons})" if n else "")
+
+
+class BadLine(ValueError):
+    """A line that cannot be used; ``reason`` is the short counter name."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}{': ' + detail if detail else ''}")
+        self.reason = reason
+
+
+def to_messages(record: Any) -> list[dict[str, str]]:
+    """A parsed JSON line in any supported layout -> validated OpenAI ``messages``. Raises :class:`BadLine`."""
+    if not isinstance(record, dict):
+        raise BadLine("unknown format", f"expected a JSON object, got {type(record).__name__}")
+    if "messages" in record:
+        raw = record["messages"]
+        if not isinstance(raw, list):
+            raise BadLine("unknown format", "'messages' is not a list")
+        messages = []
+        for m in raw:
+            if not isinstance(m, dict) or "role" not in m:
+                raise BadLine("unknown format", "a message is not an object with a 'role'")
+            messages.append({"role": m["role"], "content": m.get("content")})
+    elif "conversations" in record:
+        raw = record["conversations"]
+        if not isinstance(raw, list):
+            raise BadLine("unknown format", "'conversations' is not a list")
+        messages = []
+        for m in raw:
+            if not isinstance(m, dict) or "from" not in m:
+                raise BadLine("unknown format", "a ShareGPT turn is not an object with 'from'")
+            if m["from"] not in SHAREGPT_ROLES:
+                raise BadLine("unknown role", repr(m["from"]))
+            messages.append({"role": SHAREGPT_ROLES[m["from"]], "content": m.get("value")})
+    elif "instruction" in record and "output" in record:
+        prompt, extra = record["instruction"], record.get("input") or ""
+        if isinstance(prompt, str) and isinstance(extra, str) and extra.strip():
+            prompt = f"{prompt}\n\n{extra}"
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
+        if record.get("system"):
+            messages.insert(0, {"role": "system", "content": record["system"]})
+    else:
+        raise BadLine("unknown format", "expected 'messages', 'conversations' or 'instruction'/'output'")
+    for m in messages:
+        if m["role"] not in ROLES:
+            raise BadLine("unknown role", repr(m["role"]))
+        if not isinstance(m["content"], str) or not m["content"].strip():
+            raise BadLine("empty content", f"a {m['role']} message")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadLine("no assistant turn")
+    return messages
+
+
+def read_conversations(path: str | Path, strict: bool = False, report: Optional[SkipReport] = None
+                       ) -> list[tuple[str, list[dict[str, str]]]]:
+    """``[(file:line, messages), ...]`` of a JSONL file; unusable lines are counted in ``report`` (or, ``strict``,
+    raise :class:`MiniGPTError` naming file and line). Blank lines are ignored."""
+    path = Path(path)
+    if not path.is_file():
+        raise MiniGPTError(f"chat data file {path} does not exist")
+    report = report if report is not None else SkipReport()
+    out = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise BadLine("invalid JSON", str(e)) from None
+                out.append((where, to_messages(record)))
+            except BadLine as e:
+                if strict:
+                    raise MiniGPTError(f"{where}: {e}") from None
+                report.skipped[e.reason] += 1
+    report.kept = len(out)
+    return out
+
+
+def tokenize_conversation(template: ChatTemplate, messages: list[dict[str, str]], train_on_prompt: bool = False,
+                          source: str = "") -> ChatExample:
+    """Render and tokenize one conversation; labels are the ids on assistant tokens (every id with
+    ``train_on_prompt``) and ``-100`` elsewhere."""
+    ids, mask = template.encode_with_mask(messages)
+    labels = [i if (m or train_on_prompt) else IGNORE_INDEX for i, m in zip(ids, mask)]
+    return ChatExample(ids, labels, source)
+
+
+def load_chat_dataset(path: str | Path, template: ChatTemplate, max_seq_len: int, train_on_prompt: bool = False,
+                      strict: bool = False, report: Optional[SkipReport] = None) -> list[ChatExample]:
+    """Read, convert, render and tokenize a JSONL chat file; conversations longer than ``max_seq_len`` tokens are
+    skipped as ``too long`` (never truncated: a cut conversation would teach the model to stop mid-answer).
+
+    ``report`` (filled in) gives the counts; ``strict`` raises :class:`MiniGPTError` on the first unusable line.
+    Raises :class:`MiniGPTError` when no conversation is left.
+    """
+    report = report if report is not None else SkipReport()
+    examples = []
+    for where, messages in read_conversations(path, strict, report):
+        example = tokenize_conversation(template, messages, train_on_prompt, where)
+        if len(example) > max_seq_len or example.n_targets == 0:
+            reason = "too long" if len(example) > max_seq_len else "no assistant tokens"
+            if strict:
+                raise MiniGPTError(f"{where}: {reason} ({len(example)} tokens, the context is {max_seq_len})")
+            report.skipped[reason] += 1
+            continue
+        examples.append(example)
+    report.kept = len(examples)
+    if not examples:
+        raise MiniGPTError(f"{report.summary(str(path))}: no usable conversation")
+    return examples
+
+
+# ------------------------------------------------------------------------------------------------ batching
+@dataclass
+class Batch:
+    """Model inputs: ``tokens`` / ``labels`` ``[batch, seq_len]`` (int64); for packed rows also ``position_ids``
+    (restarting at 0 per conversation) and ``doc_ids`` (``-1`` on padding). ``n_pad``: padding tokens."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    position_ids: Optional[torch.Tensor] = None
+    doc_ids: Optional[torch.Tensor] = None
+    n_pad: int = 0
+
+    @property
+    def padding_fraction(self) -> float:
+        return self.n_pad / self.tokens.numel()
+
+    def to(self, device) -> "Batch":
+        move = (lambda t: None if t is None else t.to(device))  # noqa: E731
+        return Batch(move(self.tokens), move(self.labels), move(self.position_ids), move(self.doc_ids), self.n_pad)
+
+
+def pad_batch(examples: list[ChatExample], pad_id: int) -> Batch:
+    """Right-pad ``examples`` to the longest; padding has label ``-100``."""
+    width = max(len(e) for e in examples)
+    tokens = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+    for row, e in enumerate(examples):
+        tokens[row, : len(e)] = torch.tensor(e.input_ids)
+        labels[row, : len(e)] = torch.tensor(e.labels)
+    return Batch(tokens, labels, n_pad=tokens.numel() - sum(len(e) for e in examples))
+
+
+def pack_examples(examples: list[ChatExample], seq_len: int) -> list[list[int]]:
+    """Group example indices into rows of at most ``seq_len`` tokens: first fit, in the given order (each
+    example goes into the first row with room, else opens a new one). Raises ``ValueError`` for an example longer
+    than ``seq_len``."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i, e in enumerate(examples):
+        if len(e) > seq_len:
+            raise ValueError(f"example {e.source or i} has {len(e)} tokens, more than the row length {seq_len}")
+        for r, free in enumerate(room):
+            if len(e) <= free:
+                rows[r].append(i)
+                room[r] -= len(e)
+                break
+        else:
+            rows.append([i])
+            room.append(seq_len - len(e))
+    return rows
+
+
+def packed_batch(rows: list[list[ChatExample]], pad_id: int, seq_len: Optional[int] = None) -> Batch:
+    """Concatenate each row's conversations; pad rows to ``seq_len`` (default: the longest row).
+
+    The first token of every conversation gets label ``-100``: run alone, nothing predicts it, so nothing may
+    predict it from the previous conversation's last token either.
+    """
+    width = seq_len or max(sum(len(e) for e in row) for row in rows)
+    shape = (len(rows), width)
+    tokens = torch.full(shape, pad_id, dtype=torch.long)
+    labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
+    positions = torch.zeros(shape, dtype=torch.long)
+    docs = torch.full(shape, -1, dtype=torch.long)
+    n_real = 0
+    for r, row in enumerate(rows):
+        start = 0
+        for d, e in enumerate(row):
+            end = start + len(e)
+            tokens[r, start:end] = torch.tensor(e.input_ids)
+            labels[r, start:end] = torch.tensor(e.labels)
+            labels[r, start] = IGNORE_INDEX
+            positions[r, start:end] = torch.arange(len(e))
+            docs[r, start:end] = d
+            start = end
+        n_real += start
+    return Batch(tokens, labels, positions, docs, n_pad=tokens.numel() - n_real)
+
+
+def iterate_batches(examples: list[ChatExample], batch_size: int, pad_id: int, pack: bool, seq_len: int,
+                    seed: int = 0, epoch: int = 0) -> Iterable[Batch]:
+    """One epoch of batches: the examples shuffled (``seed + epoch``), then padded in groups of ``batch_size``, or
+    packed into rows of ``seq_len`` tokens and grouped ``batch_size`` rows at a time."""
+    order = list(range(len(examples)))
+    random.Random(seed + epoch).shuffle(order)
+    shuffled = [examples[i] for i in order]
+    if not pack:
+        for i in range(0, len(shuffled), batch_size):
+            yield pad_batch(shuffled[i : i + batch_size], pad_id)
+        return
+    rows = pack_examples(shuffled, seq_len)
+    for i in range(0, len(rows), batch_size):
+        yield packed_batch([[shuffled[j] for j in row] for row in rows[i : i + batch_size]], pad_id)
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-position next-token cross-entropy ``[batch, seq_len - 1]`` (float32, nats): ``logits[:, t]`` against
+    ``labels[:, t + 1]``; 0 where the label is ``-100``."""
+    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="none").view(labels.shape[0], -1)
+
+
+def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the scored tokens (nats/token, float32): ``logits`` ``[batch, seq_len,
+    vocab_size]``, ``labels`` ``[batch, seq_len]`` with ``-100`` = ignored, shifted as in ``transformers``'
+    ``ForCausalLMLoss`` (``LlamaForCausalLM(..., labels=labels).loss``). A batch with nothing to score gives 0."""
+    n = (labels[:, 1:] != IGNORE_INDEX).sum()
+    return token_losses(logits, labels).sum() / n.clamp(min=1)

@@ -1,0 +1,208 @@
+"""Chat templates: messages -> text -> token ids, with the span of every assistant turn, the Hugging Face way.
+
+A chat template is a Jinja string rendered with ``messages`` (a list of ``{"role", "content"}``),
+``add_generation_prompt`` and the tokenizer's special-token strings (``bos_token``, ``eos_token``...), in a sandbox
+with ``trim_blocks`` / ``lstrip_blocks``, ``raise_exception(msg)`` and a ``tojson`` that does not escape HTML: the
+conventions of ``transformers``' ``apply_chat_template``. The rendered text is then tokenized with the tokenizer's
+added tokens (``<|im_start|>``...) recognised as single ids, also as ``transformers`` does (so a message containing
+the literal text ``<|im_end|>`` gets that token, exactly as there).
+
+Assistant spans, for loss masking, come from ``{% generation %} ... {% endgeneration %}`` blocks when the template
+has them (``transformers``' ``return_assistant_tokens_mask`` convention, used by TRL's training templates); a
+template without them is rendered once per assistant turn, and the turn's span is what rendering it appends after
+the generation prompt of the turns before it (the template must then be prefix-stable, which ChatML is).
+
+:data:`CHATML_TEMPLATE` is ChatML (OpenAI's Chat Markup Language, used by Qwen): ``<|im_start|>ROLE\\nCONTENT<|im_end|>\\n``
+per message. :data:`CHATML_TRAINING_TEMPLATE` renders the same text with generation blocks around each assistant
+turn's ``CONTENT<|im_end|>``; models are saved with the plain one, which every Jinja consumer understands.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from minigpt.errors import MiniGPTError
+from minigpt.tokenizer.tokenizer import Tokenizer
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+CHAT_TOKENS = (IM_START, IM_END)
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CHATML_TRAINING_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Private-use characters that mark generation blocks in the rendered text; removed before tokenizing.
+_OPEN, _CLOSE = "\uf8f0", "\uf8f1"
+
+
+def _environment():
+    """The sandboxed Jinja environment of ``transformers``' chat templates, plus the ``generation`` tag."""
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationMarks(Extension):
+        """``{% generation %}BODY{% endgeneration %}`` renders BODY between the two marker characters."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller):
+            return _OPEN + caller() + _CLOSE
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationMarks, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    return env
+
+
+def tokenizers_backend(tokenizer: Tokenizer):
+    """A private ``tokenizers.Tokenizer`` copy of ``tokenizer`` that recognises its added tokens in text.
+
+    A SentencePiece tokenizer is rebuilt as an equivalent ``tokenizers`` one (:mod:`minigpt.tokenizer.interop`).
+    """
+    from tokenizers import Tokenizer as HFTokenizer
+
+    if tokenizer.backend == "sentencepiece":
+        import tempfile
+        from pathlib import Path
+
+        from minigpt.tokenizer.interop import build_tokenizer, vocab_from_file
+
+        with tempfile.TemporaryDirectory() as tmp:
+            hf = build_tokenizer(vocab_from_file(tokenizer.save(Path(tmp))))
+    else:
+        hf = HFTokenizer.from_str(tokenizer._hf.to_str())
+    hf.encode_special_tokens = False
+    return hf
+
+
+def add_special_tokens(tokenizer: Tokenizer, tokens=CHAT_TOKENS) -> tuple[Tokenizer, list[int]]:
+    """A copy of ``tokenizer`` with ``tokens`` added as special tokens where missing, and the ids of the added ones
+    (appended after the existing ids; empty when all were present). The input tokenizer is unchanged.
+
+    A SentencePiece tokenizer comes back as an equivalent ``tokenizers`` one, since a ``tokenizer.model`` cannot
+    grow. Special tokens are never split or normalised and are recognised in rendered chat text.
+    """
+    from tokenizers import AddedToken
+
+    missing = [t for t in tokens if tokenizer.token_to_id(t) is None]
+    if not missing:
+        return tokenizer, []
+    hf = tokenizers_backend(tokenizer)
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+    out = Tokenizer(hf=hf)
+    return out, [out.token_to_id(t) for t in missing]
+
+
+class ChatTemplate:
+    """A compiled chat template bound to a tokenizer: :meth:`render`, :meth:`encode` and :meth:`encode_with_mask`.
+
+    Raises :class:`MiniGPTError` for a template that does not compile, rejects the messages (its
+    ``raise_exception``), or (without generation blocks) is not prefix-stable.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, template: Optional[str] = None) -> None:
+        from jinja2 import TemplateSyntaxError
+
+        self.tokenizer = tokenizer
+        self.source = template or CHATML_TEMPLATE
+        try:
+            self._template = _environment().from_string(self.source)
+        except TemplateSyntaxError as e:
+            raise MiniGPTError(f"the chat template does not compile: {e} (line {e.lineno})") from None
+        self._hf = tokenizers_backend(tokenizer)
+        self._variables = {f"{name}_token": self._token_text(getattr(tokenizer, f"{name}_id"))
+                           for name in ("bos", "eos", "pad")}
+
+    def _token_text(self, i: Optional[int]) -> str:
+        return self.tokenizer.decode([i]) if i is not None else ""
+
+    def _render_raw(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        from jinja2 import TemplateError
+
+        for m in messages:
+            if any(c in str(m.get("content", "")) for c in (_OPEN, _CLOSE)):
+                raise MiniGPTError("a message contains the private-use characters U+F8F0/U+F8F1, which mark "
+                                   "generation blocks")
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **self._variables)
+        except TemplateError as e:
+            raise MiniGPTError(f"the chat template rejected the messages: {e}") from None
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        """The template's text for ``messages`` (``add_generation_prompt``: end with the assistant header)."""
+        return self._render_raw(messages, add_generation_prompt).replace(_OPEN, "").replace(_CLOSE, "")
+
+    def render_with_spans(self, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
+        """``(text, spans)``: the rendered conversation and the ``[start, end)`` character ranges of its assistant
+        turns (generation blocks, or the prefix difference described in the module docstring)."""
+        raw = self._render_raw(messages, False)
+        if _OPEN in raw:
+            chars, spans, start, pos = [], [], 0, 0
+            for ch in raw:
+                if ch == _OPEN:
+                    start = pos
+                elif ch == _CLOSE:
+                    spans.append((start, pos))
+                else:
+                    chars.append(ch)
+                    pos += 1
+            return "".join(chars), spans
+        text, spans = raw, []
+        for i, m in enumerate(messages):
+            if m.get("role") != "assistant":
+                continue
+            before = self.render(messages[:i], add_generation_prompt=True)
+            upto = self.render(messages[: i + 1])
+            if not (text.startswith(upto) and upto.startswith(before)):
+                raise MiniGPTError("the chat template is not prefix-stable (rendering fewer messages does not give a "
+                                   "prefix of the whole); add {% generation %} blocks around assistant turns")
+            spans.append((len(before), len(upto)))
+        return text, spans
+
+    def encode(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> list[int]:
+        """Token ids of the rendered ``messages`` (no BOS/EOS beyond what the template writes), as
+        ``AutoTokenizer.apply_chat_template(messages, tokenize=True)``."""
+        return self._hf.encode(self.render(messages, add_generation_prompt), add_special_tokens=False).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of plain ``text`` with the added tokens recognised, as ``transformers``'
+        ``tokenizer(text, add_special_tokens=False)`` (TRL tokenizes non-conversational prompts this way)."""
+        return self._hf.encode(text, add_special_tokens=False).ids
+
+    def encode_with_mask(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[bool]]:
+        """``(ids, assistant_mask)``: the ids of the whole conversation and, per token, whether it belongs to an
+        assistant turn. A token counts when its characters overlap a span (``transformers`` maps a span's first
+        and last characters to tokens the same way, ``char_to_token``)."""
+        text, spans = self.render_with_spans(messages)
+        encoding = self._hf.encode(text, add_special_tokens=False)
+        mask = [any(s < end and e > start for start, end in spans) for s, e in encoding.offsets]
+        return encoding.ids, mask

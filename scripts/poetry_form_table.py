@@ -1,0 +1,80 @@
+"""Does the model write the requested poem form? A Markdown table over several models (e.g. base, SFT, DPO).
+
+    python scripts/poetry_form_table.py --prompts data/poetry/eval_prompts.jsonl MODEL [MODEL ...]
+                                        [--limit 100] [--max-new-tokens 120] [--answers answers.jsonl]
+
+Each prompt of ``eval_prompts.jsonl`` (from ``scripts/build_poetry_sets.py``; titles never seen in training) is
+rendered with the model's chat template, as ``minigpt chat`` does (a model without one gets the plain
+``User: ... / Assistant:`` template), and answered greedily. ``minigpt.data.poetry.check_form`` then judges each
+answer: the verse and line count, the characters per verse, and no text besides the poem. The table gives the
+share of answers passing each check and all of them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from minigpt.checkpoint.native import load_chat_template, load_model, load_tokenizer, resolve_checkpoint
+from minigpt.data.poetry import check_form
+from minigpt.errors import MiniGPTError
+from minigpt.infer.generate import generate_tokens
+from minigpt.serve.chat import ChatFormatter
+from minigpt.tokenizer.chat_template import IM_END
+
+
+def answer_all(source: str, prompts: list[dict], max_new_tokens: int) -> list[str]:
+    """Greedy answers of the model at ``source`` to every prompt's ``messages``."""
+    ckpt = resolve_checkpoint(source)
+    model, tokenizer = load_model(ckpt), load_tokenizer(ckpt)
+    formatter = ChatFormatter(tokenizer, load_chat_template(ckpt))
+    stop_ids = [i for i in (tokenizer.eos_id, tokenizer.bos_id, tokenizer.token_to_id(IM_END)) if i is not None]
+    answers = []
+    for p in prompts:
+        ids = formatter.encode(p["messages"])
+        budget = min(max_new_tokens, model.config.max_seq_len - len(ids))
+        text = tokenizer.decode(list(generate_tokens(model, ids, max(budget, 1), stop_ids=stop_ids)))
+        for stop in formatter.stop:  # the plain template's implicit end of turn
+            text = text.split(stop)[0]
+        answers.append(text.strip())
+    return answers
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="+", help="model sources (run dir, model dir, .gguf, .bin)")
+    parser.add_argument("--prompts", default="data/poetry/eval_prompts.jsonl")
+    parser.add_argument("--limit", type=int, default=100, help="first N prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=120)
+    parser.add_argument("--answers", help="also write every answer and its verdict here (JSONL)")
+    args = parser.parse_args(argv)
+    try:
+        path = Path(args.prompts)
+        if not path.is_file():
+            raise MiniGPTError(f"{path} does not exist; run scripts/build_poetry_sets.py first")
+        prompts = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()][: args.limit]
+        rows, records = [], []
+        for source in args.models:
+            checks = []
+            for p, answer in zip(prompts, answer_all(source, prompts, args.max_new_tokens)):
+                check = check_form(answer, p["form"])
+                checks.append(check)
+                records.append({"model": source, "id": p["id"], "form": p["form"], "answer": answer, "ok": check.ok})
+            shares = {key: sum(getattr(c, key) for c in checks) / len(checks)
+                      for key in ("ok", "verses_ok", "chars_ok", "clean")}
+            rows.append(f"| {source} | {len(checks)} | " + " | ".join(f"{v:.0%}" for v in shares.values()) + " |")
+    except MiniGPTError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print("| model | prompts | form right | verse count | verse length | nothing else |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("\n".join(rows))
+    if args.answers:
+        Path(args.answers).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records),
+                                      encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

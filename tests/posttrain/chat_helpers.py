@@ -1,0 +1,80 @@
+"""Tiny synthetic chat data, a tiny BPE with the ChatML tokens, and a Hugging Face copy of a model, for the
+post-training tests. No real conversation data is copied here: every message is generated from word lists."""
+import json
+import random
+
+import torch
+
+from minigpt.interop import hf
+from minigpt.model.config import ModelConfig
+from minigpt.model.transformer import Transformer
+from minigpt.tokenizer.chat_template import CHATML_TEMPLATE, add_special_tokens
+from minigpt.tokenizer.tokenizer import train_tokenizer
+
+WORDS = ("the cat sat on a mat and then it ran to see why sky is blue what do you think about tea please "
+         "answer briefly sure here are three ideas first second third 猫 喜欢 鱼 吗 是的").split()
+
+
+def sentence(rng, n=None):
+    return " ".join(rng.choice(WORDS) for _ in range(n or rng.randint(2, 9)))
+
+
+def conversation(rng, turns=None, system=None):
+    """``turns`` user/assistant exchanges (1-3 by default), optionally after a system message."""
+    messages = [{"role": "system", "content": sentence(rng)}] if (system or (system is None and rng.random() < .3)) \
+        else []
+    for _ in range(turns or rng.randint(1, 3)):
+        messages.append({"role": "user", "content": sentence(rng).capitalize() + "?"})
+        messages.append({"role": "assistant", "content": sentence(rng) + "."})
+    return messages
+
+
+def conversations(n, seed=0, **kw):
+    rng = random.Random(seed)
+    return [conversation(rng, **kw) for _ in range(n)]
+
+
+def chat_tokenizer(with_chat_tokens=True, vocab_size=300):
+    rng = random.Random(0)
+    texts = [sentence(rng, 12) for _ in range(300)]
+    tok = train_tokenizer(texts, vocab_size)
+    if with_chat_tokens:
+        tok, _ = add_special_tokens(tok)
+    return tok
+
+
+def save_hf_tokenizer(tokenizer, directory, template=CHATML_TEMPLATE):
+    """A directory ``transformers.AutoTokenizer`` loads: tokenizer.json + tokenizer_config.json with ``template``."""
+    from minigpt.tokenizer.interop import hf_tokenizer_config
+
+    directory.mkdir(parents=True, exist_ok=True)
+    path = tokenizer.save(directory)
+    ids = {"bos_token": tokenizer.bos_id, "eos_token": tokenizer.eos_id, "pad_token": tokenizer.pad_id}
+    config, special_map = hf_tokenizer_config(path, ids, 256, template)
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False))
+    (directory / "special_tokens_map.json").write_text(json.dumps(special_map, ensure_ascii=False))
+    return directory
+
+
+def tiny_model(vocab_size, seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48, max_seq_len=256)
+    model = Transformer(ModelConfig(**{**cfg, **kw})).eval()
+    with torch.no_grad():  # non-trivial norms
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    return model
+
+
+def hf_copy(model):
+    """``transformers.LlamaForCausalLM`` with ``model``'s weights."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(**{k: v for k, v in hf.config_to_hf(model.config).items()
+                                      if k not in ("architectures", "model_type")})
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    sd = {hf.to_hf_key(k): v for k, v in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        sd.pop("lm_head.weight")
+    ref.load_state_dict(sd, strict=False)
+    return ref

@@ -1,0 +1,350 @@
+"""DPO / IPO: parity with TRL's DPOTrainer, the formulas by hand, the reference (live, precomputed, LoRA with adapters
+disabled), preference data loading and errors, and `minigpt dpo` end to end on tiny synthetic pairs."""
+import contextlib
+import json
+import math
+import random
+
+import pytest
+import torch
+from chat_helpers import chat_tokenizer, hf_copy, save_hf_tokenizer, sentence, tiny_model
+from conftest import assert_one_line_error, run_cli
+
+from minigpt.checkpoint.native import load_model, save_pretrained
+from minigpt.data.chat import SkipReport
+from minigpt.data.preference import (
+    PreferenceRecord,
+    load_preference_dataset,
+    pad_pairs,
+    read_preferences,
+    to_preference,
+    tokenize_preference,
+)
+from minigpt.errors import MiniGPTError
+from minigpt.interop.hf import to_hf_key
+from minigpt.posttrain.adapter import CONFIG_NAME, load_adapter
+from minigpt.posttrain.dpo import METRICS, DPOConfig, Reference, batch_loss, dpo_loss, train_dpo
+from minigpt.posttrain.lora import adapters_disabled, apply_lora, lora_layers
+from minigpt.tokenizer.chat_template import CHATML_TEMPLATE, ChatTemplate
+
+NULL = contextlib.nullcontext  # the autocast context factory of a float32 run
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return chat_tokenizer()
+
+
+def standard_rows(n, seed):
+    """String pairs whose chosen answer is the prompt's words reversed and the rejected one random words."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        words = sentence(rng, rng.randint(2, 5)).split()
+        rows.append({"prompt": " ".join(words), "chosen": " " + " ".join(reversed(words)),
+                     "rejected": " " + sentence(rng, rng.randint(1, 6))})
+    return rows
+
+
+def conversational_rows(n, seed):
+    """The same task as chat: message-list prompts (some with a system turn, some multi-turn), one-message answers."""
+    rows = []
+    for i, row in enumerate(standard_rows(n, seed)):
+        prompt = [{"role": "user", "content": row["prompt"] + "?"}]
+        if i % 3 == 1:
+            prompt.insert(0, {"role": "system", "content": "answer briefly"})
+        if i % 3 == 2:
+            prompt = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "sure"}] + prompt
+        rows.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": row["chosen"].strip()}],
+                     "rejected": [{"role": "assistant", "content": row["rejected"].strip()}]})
+    return rows
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def tokenize_rows(tokenizer, rows):
+    template = ChatTemplate(tokenizer, CHATML_TEMPLATE)
+    eos = tokenizer.decode([tokenizer.eos_id])
+    return [tokenize_preference(template, PreferenceRecord(*to_preference(r)), eos) for r in rows]
+
+
+# ---------------------------------------------------------------------------------------- the loss
+def test_dpo_and_ipo_losses_by_hand():
+    """One pair from the formulas: DPO eq. 7 of Rafailov et al. 2023, IPO eq. 17 of Azar et al. 2023 with TRL's
+    per-token averaging of the log-ratios."""
+    pi_c, pi_r, ref_c, ref_r, beta = -5.0, -7.0, -6.0, -6.5, 0.1
+    t = lambda x: torch.tensor([x])  # noqa: E731
+    losses, chosen, rejected = dpo_loss(t(pi_c), t(pi_r), t(ref_c), t(ref_r), beta)
+    logits = beta * ((pi_c - ref_c) - (pi_r - ref_r))  # 0.1 * (1 - (-0.5)) = 0.15
+    assert losses.item() == pytest.approx(math.log(1 + math.exp(-logits)), abs=1e-6)
+    assert chosen.item() == pytest.approx(0.1) and rejected.item() == pytest.approx(-0.05)
+    losses, _, _ = dpo_loss(t(pi_c), t(pi_r), t(ref_c), t(ref_r), beta, "ipo", t(4), t(2))
+    h = (pi_c - ref_c) / 4 - (pi_r - ref_r) / 2  # 0.25 + 0.25
+    assert losses.item() == pytest.approx((h - 1 / (2 * beta)) ** 2, abs=1e-5) == pytest.approx(20.25)
+    with pytest.raises(MiniGPTError, match="hinge"):
+        dpo_loss(t(pi_c), t(pi_r), t(ref_c), t(ref_r), beta, "hinge")
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+@pytest.mark.parametrize("layout", ["standard", "conversational"])
+def test_parity_with_trl_dpo_trainer(tmp_path, tokenizer, loss_type, layout):
+    """The same tiny Llama (policy) and another (reference) in MiniGPT and transformers; TRL's DPOTrainer tokenizes
+    the pairs, collates them and computes the loss and its logged metrics: ours equal them in float32, and so do the
+    gradients."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test-only dependency")
+    trl = pytest.importorskip("trl", reason="trl is a test-only dependency")
+    datasets = pytest.importorskip("datasets", reason="datasets comes with trl")
+    rows = (standard_rows if layout == "standard" else conversational_rows)(6, seed=1)
+    policy, ref = tiny_model(tokenizer.vocab_size, seed=0), tiny_model(tokenizer.vocab_size, seed=4)
+    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), beta=0.2, loss_type=[loss_type], report_to="none",
+                         use_cpu=True, bf16=False, max_length=None, per_device_train_batch_size=len(rows))
+    trainer = trl.DPOTrainer(model=hf_copy(policy), ref_model=hf_copy(ref), args=args,
+                             train_dataset=datasets.Dataset.from_list(rows),
+                             processing_class=transformers.AutoTokenizer.from_pretrained(
+                                 save_hf_tokenizer(tokenizer, tmp_path / "tok")))
+    examples = [trainer.train_dataset[i] for i in range(len(rows))]
+    pairs = tokenize_rows(tokenizer, rows)
+    for theirs, ours in zip(examples, pairs):
+        assert (ours.prompt_ids, ours.chosen_ids, ours.rejected_ids) == (
+            theirs["prompt_ids"], theirs["chosen_ids"], theirs["rejected_ids"])
+    trainer.model.train()
+    expected_loss = trainer.compute_loss(trainer.model, trainer.data_collator(examples))
+    expected = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    policy.train()
+    loss, values = batch_loss(policy, Reference(policy, ref), pad_pairs(pairs, tokenizer.pad_id), "train", 0.2,
+                              loss_type, NULL)
+    torch.testing.assert_close(loss, expected_loss, atol=1e-5, rtol=1e-6)
+    for k in METRICS[1:]:
+        assert values[k].mean().item() == pytest.approx(expected[k], abs=1e-5, rel=1e-6), k
+    assert 0 < expected["rewards/accuracies"] < 1  # both outcomes occur: the comparison is informative
+    loss.backward()
+    expected_loss.backward()
+    theirs = dict(trainer.model.named_parameters())
+    for name, p in policy.named_parameters():
+        torch.testing.assert_close(p.grad, theirs[to_hf_key(name)].grad, atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------- the reference
+def test_precomputed_reference_equals_live_reference(tokenizer):
+    """Five steps with --precompute-ref log the same metrics and end at the same weights as with a frozen copy."""
+    pairs = tokenize_rows(tokenizer, conversational_rows(12, seed=2))
+    cfg = DPOConfig(model="-", data="-", out_dir="-", max_steps=5, batch_size=4, lr=1e-2, log_interval=1,
+                    device="cpu")
+    models = []
+    for precompute in (False, True):
+        models.append(tiny_model(tokenizer.vocab_size, seed=0))
+        cfg.precompute_ref = precompute
+        train_dpo(models[-1], pairs, cfg, tokenizer.pad_id, torch.device("cpu"), val_pairs=pairs[:5])
+    live, pre = models
+    for (name, a), b in zip(live.named_parameters(), pre.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
+    model = tiny_model(tokenizer.vocab_size, seed=0)
+    reference = Reference(model)
+    reference.precompute("train", pairs, 5, tokenizer.pad_id, torch.device("cpu"), NULL)
+    batch = pad_pairs([pairs[i] for i in (7, 2, 11)], tokenizer.pad_id, [7, 2, 11])
+    torch.testing.assert_close(reference(batch, "train", NULL), reference.live(batch, NULL), atol=1e-5, rtol=0)
+
+
+def test_metrics_rows_equal_with_precomputed_reference(tmp_path, tokenizer):
+    pairs = tokenize_rows(tokenizer, standard_rows(10, seed=3))
+    rows = []
+    for precompute in (False, True):
+        cfg = DPOConfig(model="-", data="-", out_dir="-", max_steps=4, batch_size=3, lr=1e-2, log_interval=1,
+                        precompute_ref=precompute, device="cpu", loss="ipo")
+        path = tmp_path / f"m{precompute}.jsonl"
+        train_dpo(tiny_model(tokenizer.vocab_size), pairs, cfg, tokenizer.pad_id, torch.device("cpu"), pairs[:4], path)
+        rows.append([json.loads(line) for line in path.read_text().splitlines()])
+    assert len(rows[0]) == len(rows[1]) == 4
+    for a, b in zip(*rows):
+        for k in METRICS + tuple(f"val_{m}" for m in METRICS):
+            if k in a:
+                assert a[k] == pytest.approx(b[k], abs=1e-5), k
+
+
+def test_adapters_disabled_gives_the_base_model(tokenizer):
+    model = tiny_model(tokenizer.vocab_size)
+    x = torch.randint(0, tokenizer.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = model(x)
+        apply_lora(model, lora_rank=2, lora_alpha=4, targets="all-linear")
+        for layer in lora_layers(model).values():
+            layer.lora_B.weight.normal_()
+        adapted = model(x)
+        with adapters_disabled(model):
+            assert torch.equal(model(x), base)
+        assert torch.equal(model(x), adapted) and not torch.equal(adapted, base)
+        with pytest.raises(RuntimeError), adapters_disabled(model):
+            raise RuntimeError("restored even so")
+        assert torch.equal(model(x), adapted)
+
+
+def test_lora_dpo_leaves_the_base_weights_bit_identical(tokenizer):
+    pairs = tokenize_rows(tokenizer, conversational_rows(8, seed=4))
+    model = tiny_model(tokenizer.vocab_size)
+    apply_lora(model, lora_rank=4, lora_alpha=8, targets="all-linear", lora_dropout=0.1)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    cfg = DPOConfig(model="-", data="-", out_dir="-", max_steps=6, batch_size=4, lr=5e-2, log_interval=1,
+                    device="cpu", lora_rank=4)
+    last = train_dpo(model, pairs, cfg, tokenizer.pad_id, torch.device("cpu"))
+    assert frozen and all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
+    assert all(torch.count_nonzero(layer.lora_B.weight) > 0 for layer in lora_layers(model).values())
+    assert all(layer.lora_dropout.p == 0 for layer in lora_layers(model).values())  # DPO disables dropout
+    assert last["rewards/margins"] > 0
+
+
+# ---------------------------------------------------------------------------------------- data
+def test_preference_layouts():
+    user = [{"role": "user", "content": "q"}]
+    answer = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
+    assert to_preference({"prompt": "a b", "chosen": " c", "rejected": " d"}) == ("a b", " c", " d")
+    assert to_preference({"prompt": user, "chosen": answer("c"), "rejected": answer("d")}) == (
+        user, answer("c"), answer("d"))
+    # shared/data/dpo's layout: a message-list prompt with plain-string answers
+    assert to_preference({"id": 1, "prompt": user, "chosen": "c", "rejected": "d"}) == (user, answer("c"), answer("d"))
+    # implicit prompt (TRL's extract_prompt): whole messages, or characters without the separating space
+    assert to_preference({"chosen": user + answer("c"), "rejected": user + answer("d")}) == (
+        user, answer("c"), answer("d"))
+    assert to_preference({"chosen": "The sky is blue.", "rejected": "The sky is green."}) == (
+        "The sky is", " blue.", " green.")
+
+
+@pytest.mark.parametrize("line, reason", [
+    ("{oops", "invalid JSON"),
+    ('[1, 2]', "unknown format"),
+    ('{"prompt": "p", "chosen": "c"}', "unknown format"),
+    ('{"prompt": "p", "chosen": [{"role": "assistant", "content": "c"}], "rejected": "r"}', "unknown format"),
+    ('{"prompt": [{"role": "robot", "content": "p"}], "chosen": "c", "rejected": "r"}', "unknown role"),
+    ('{"prompt": [{"role": "user", "content": " "}], "chosen": "c", "rejected": "r"}', "empty content"),
+    ('{"prompt": "p", "chosen": "", "rejected": "r"}', "empty content"),
+    ('{"prompt": "", "chosen": "c", "rejected": "r"}', "empty prompt"),
+    ('{"prompt": "p", "chosen": "same", "rejected": "same"}', "identical answers"),
+    ('{"chosen": "abc", "rejected": "xyz"}', "empty prompt"),
+])
+def test_bad_preference_lines_are_counted_or_raise_with_file_and_line(tmp_path, line, reason):
+    good = json.dumps({"prompt": "p", "chosen": "c", "rejected": "r"})
+    path = tmp_path / "prefs.jsonl"
+    path.write_text(f"{good}\n\n{line}\n{good}\n", encoding="utf-8")
+    report = SkipReport()
+    assert len(read_preferences(path, report=report)) == 2 and dict(report.skipped) == {reason: 1}
+    assert report.summary("prefs", "pairs") == f"prefs: 2 pairs, 1 skipped ({reason} 1)"
+    with pytest.raises(MiniGPTError, match=f"prefs.jsonl:3: {reason}"):
+        read_preferences(path, strict=True)
+
+
+def test_too_long_pairs_are_skipped_not_truncated(tmp_path, tokenizer):
+    rows = standard_rows(4, seed=5) + [{"prompt": "the cat", "chosen": " sat" * 80, "rejected": " ran"}]
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    template = ChatTemplate(tokenizer)
+    report = SkipReport()
+    pairs = load_preference_dataset(path, template, 60, "<|endoftext|>", report=report)
+    assert len(pairs) == 4 and dict(report.skipped) == {"too long": 1}
+    with pytest.raises(MiniGPTError, match="p.jsonl:5: too long"):
+        load_preference_dataset(path, template, 60, "<|endoftext|>", strict=True)
+    # standard answers end with EOS; prompt tokens are never part of a completion
+    assert all(p.chosen_ids[-1] == tokenizer.eos_id == p.rejected_ids[-1] for p in pairs)
+    batch = pad_pairs(pairs, tokenizer.pad_id)
+    assert batch.tokens.shape[0] == 8 and torch.equal(batch.tokens[0, : len(pairs[0].prompt_ids)],
+                                                      batch.tokens[4, : len(pairs[0].prompt_ids)])
+    assert (batch.labels != -100).sum(1).tolist() == batch.completion_lengths.tolist()
+
+
+# ---------------------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, tokenizer):
+    """A tiny model directory (its tokenizer has the ChatML tokens) and train/val preference files."""
+    root = tmp_path_factory.mktemp("dpo")
+    save_pretrained(tiny_model(tokenizer.vocab_size), root / "sft", tokenizer)
+    return (root / "sft", write_jsonl(root / "train.jsonl", conversational_rows(24, seed=6)),
+            write_jsonl(root / "val.jsonl", conversational_rows(6, seed=7)))
+
+
+def metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_dpo_cli_raises_the_reward_margin_on_the_training_pairs(tmp_path, base):
+    model_dir, train, _ = base
+    out = tmp_path / "out"
+    proc = run_cli("dpo", "--model", model_dir, "--data", train, "--val-data", train, "--out-dir", out,
+                   "--max-steps", 12, "--batch-size", 8, "--lr", 3e-3, "--beta", 0.1, "--log-interval", 1,
+                   "--eval-interval", 100, "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert "train.jsonl: 24 pairs" in proc.stdout and "reference: frozen copy" in proc.stdout
+    rows = metrics(out)
+    assert set(METRICS) <= set(rows[0]) and len(rows) == 12
+    # step 1 is scored before any update: the policy is the reference, every reward is exactly 0
+    assert rows[0]["rewards/margins"] == 0 and rows[0]["rewards/accuracies"] == 0
+    assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert rows[-1]["val_rewards/margins"] > 0.1 and rows[-1]["val_rewards/accuracies"] >= 0.75
+    assert rows[-1]["val_loss"] < math.log(2)
+    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", "dpo_config.json",
+            "metrics.jsonl"} <= {p.name for p in out.iterdir()}
+    assert json.loads((out / "dpo_config.json").read_text())["beta"] == 0.1
+
+
+def test_lora_dpo_cli_with_precomputed_reference_and_ipo(tmp_path, base):
+    model_dir, train, val = base
+    out = tmp_path / "out"
+    proc = run_cli("dpo", "--model", model_dir, "--data", train, "--val-data", val, "--out-dir", out,
+                   "--max-steps", 3, "--batch-size", 4, "--lora-rank", 2, "--lora-targets", "q_proj,v_proj",
+                   "--precompute-ref", "--loss", "ipo", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert "reference: precomputed" in proc.stdout
+    assert json.loads((out / "adapter" / CONFIG_NAME).read_text())["r"] == 2
+    assert "val_rewards/accuracies" in metrics(out)[-1]
+    rebuilt = load_model(model_dir)
+    load_adapter(rebuilt, out / "adapter")
+    x = torch.randint(0, rebuilt.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(x), load_model(out)(x), atol=1e-5, rtol=0)
+
+
+def test_dpo_cli_errors_are_one_line(tmp_path, base):
+    model_dir, train, _ = base
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(train.read_text() + '{"prompt": "p", "chosen": "x", "rejected": "x"}\n')
+    common = ("--model", model_dir, "--out-dir", tmp_path / "out", "--max-steps", 1, "--device", "cpu")
+    assert_one_line_error(run_cli("dpo", "--data", bad, "--strict", *common), "bad.jsonl:25", "identical answers")
+    assert_one_line_error(run_cli("dpo", "--data", train, "--beta", 0, *common), "--beta")
+    assert_one_line_error(run_cli("dpo", "--data", tmp_path / "none.jsonl", *common), "does not exist")
+    proc = run_cli("dpo", "--data", bad, *common)
+    assert proc.returncode == 0 and "24 pairs, 1 skipped (identical answers 1)" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------- real data
+@pytest.mark.parametrize("name, n", [("hh_rlhf_harmless_en.jsonl", 2073), ("dpo_zh.jsonl", 450)])
+def test_real_preference_files_load(shared_data, name, n, tokenizer):
+    """shared/data/dpo (never copied into the repository): message-list prompts with plain-string answers."""
+    path = shared_data / "dpo" / name
+    if not path.is_file():
+        pytest.skip(f"{path} is absent")
+    report = SkipReport()
+    records = read_preferences(path, report=report)
+    assert len(records) == n and not report.skipped
+    assert all(r.conversational and r.prompt[-1]["role"] == "user" and len(r.chosen) == 1 for r in records)
+    template = ChatTemplate(tokenizer, CHATML_TEMPLATE)
+    for record in records[:20]:
+        pair = tokenize_preference(template, record)
+        assert tokenizer.decode(pair.chosen_ids) == record.chosen[0]["content"] + "<|im_end|>\n"
+
+
+def test_real_dpo_steps(tmp_path, shared_data, base):
+    path = shared_data / "dpo" / "hh_rlhf_harmless_en.jsonl"
+    if not path.is_file():
+        pytest.skip(f"{path} is absent")
+    short = []  # a temporary slice of short pairs (the tiny model's context is 256 tokens), outside the repository
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            r = json.loads(line)
+            if sum(len(m["content"]) for m in r["prompt"]) + max(len(r["chosen"]), len(r["rejected"])) < 100:
+                short.append(line)
+    head = tmp_path / "head.jsonl"
+    head.write_text("".join(short[:8]), encoding="utf-8")
+    from minigpt.posttrain.dpo import dpo
+
+    last = dpo(DPOConfig(model=str(base[0]), data=str(head), out_dir=str(tmp_path / "out"), max_steps=2,
+                         batch_size=4, device="cpu", lora_rank=2, precompute_ref=True))
+    assert last["step"] == 2 and math.isfinite(last["loss"])
