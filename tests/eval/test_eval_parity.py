@@ -75,3 +75,31 @@ def test_stories260k_matches_lm_eval(shared_data, tmp_path, monkeypatch, bos):
     ours = evaluate_source(hf_dir, PARITY_TASKS, device="cpu", data_dir=DATA_DIR, samples=True)
     assert ours["config"]["bos"] is bos
     assert_same_as_lm_eval(ours, theirs, PARITY_TASKS)
+
+
+def test_single_requests_and_rolling_match_lm_eval(tmp_path, monkeypatch):
+    """Requests lm-eval handles specially (an empty context: the prefix token stands for it; whitespace at the end
+    of a context moves into the continuation) and rolling log-likelihood over several windows (bpb:PATH)."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from minigpt.checkpoint.native import load_tokenizer
+    from minigpt.eval.scoring import Scorer
+    from minigpt.infer.fastpath import load_for_inference
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _, hf_dir = random_gqa_model(tmp_path, max_seq_len=64)
+    lm = HFLM(pretrained=str(hf_dir), batch_size=2, device="cpu")
+    scorer = Scorer(load_for_inference(hf_dir), load_tokenizer(hf_dir), batch_size=3)
+    pairs = [("", " The sun rises."), ("Question: why?\nAnswer: ", "because"), ("A  b\n\n", "c d"),
+             ("one two three", " four"), (" ".join(["word"] * 80), " end")]  # the last one: left-truncated
+    theirs = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)])
+    ours = [score for (score,) in scorer.loglikelihood([[pair] for pair in pairs])]
+    for (ll, greedy), score in zip(theirs, ours):
+        assert abs(ll - score.loglikelihood) <= TOLERANCE and greedy == score.is_greedy
+    texts = [(DATA_DIR / "lambada_openai_test.jsonl").read_text(encoding="utf-8")[:1500], "short text"]
+    theirs = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)])
+    ours = scorer.loglikelihood_rolling(texts)
+    assert ours[0].n_tokens > 3 * 64  # several windows
+    for ll, score in zip(theirs, ours):
+        assert abs(ll - score.loglikelihood) <= 10 * TOLERANCE  # hundreds of tokens summed in float32 by lm-eval
