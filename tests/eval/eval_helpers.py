@@ -55,8 +55,9 @@ def stories_export(shared_data: Path, out: Path, bos: bool) -> Path:
     return out
 
 
-def run_lm_eval(hf_dir: Path, tasks: list[str], num_fewshot: int, root: Path, monkeypatch, **kwargs) -> dict:
-    """lm-eval's ``hf`` model on our task YAMLs over the test slices, offline, per-item samples logged."""
+def run_lm_eval(hf_dir: Path, tasks: list[str], num_fewshot: int, root: Path, monkeypatch, model_cls=None) -> dict:
+    """lm-eval's ``hf`` model (or ``model_cls``) on our task YAMLs over the test slices, offline, per-item samples
+    logged."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
@@ -69,9 +70,9 @@ def run_lm_eval(hf_dir: Path, tasks: list[str], num_fewshot: int, root: Path, mo
 
     task_dir = write_task_dir(DATA_DIR, root / "lm_eval_tasks", cache_dir=root / "datasets_cache")
     manager = TaskManager(include_path=str(task_dir), include_defaults=False)
-    model = HFLM(pretrained=str(hf_dir), batch_size=4, device="cpu")
+    model = (model_cls or HFLM)(pretrained=str(hf_dir), batch_size=4, device="cpu")
     return lm_eval.simple_evaluate(model=model, tasks=[LM_EVAL_NAMES[t] for t in tasks], task_manager=manager,
-                                   num_fewshot=num_fewshot, log_samples=True, bootstrap_iters=10, **kwargs)
+                                   num_fewshot=num_fewshot, log_samples=True, bootstrap_iters=10)
 
 
 def lm_eval_loglikelihoods(sample: dict) -> list[tuple[float, bool]]:
