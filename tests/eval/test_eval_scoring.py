@@ -85,3 +85,22 @@ def test_batch_size_must_be_positive(random_model):
 
     with pytest.raises(MiniGPTError, match="batch-size"):
         Scorer(load_model(random_model), load_tokenizer(random_model), batch_size=0)
+
+
+def test_gguf_and_llama2c_sources_evaluate_like_their_originals(random_model, shared_data, tmp_path):
+    """A GGUF export of a MiniGPT model scores as the checkpoint it came from (its metadata says no BOS, as our
+    tokenizer); stories260K's llama2.c .bin (BOS, as run.c encodes) scores as its HF directory."""
+    from minigpt.checkpoint.convert import export_gguf
+    from minigpt.eval.runner import evaluate_source
+
+    def lls(source):
+        out = evaluate_source(source, ["arc_easy", "winogrande"], device="cpu", data_dir=DATA_DIR, samples=True)
+        return out["config"]["bos"], [ll for task in out["samples"].values() for s in task
+                                      for ll in s["loglikelihoods"]]
+
+    gguf = export_gguf(random_model, tmp_path / "model.gguf")
+    (bos, ours), (bos_ref, reference) = lls(gguf), lls(random_model)
+    assert bos is bos_ref is False and ours == pytest.approx(reference, abs=1e-5)
+    stories = shared_data / "models" / "stories260K"
+    (bos, ours), (bos_ref, reference) = lls(stories / "stories260K.bin"), lls(stories / "hf")
+    assert bos is bos_ref is True and ours == pytest.approx(reference, abs=1e-5)
