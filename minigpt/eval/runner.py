@@ -9,6 +9,7 @@ layout of lm-eval's ``--output_path`` JSON: ``results -> task -> "acc,none", "ac
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -21,6 +22,19 @@ from minigpt.eval.scoring import Scorer
 from minigpt.eval.tasks import DEFAULT_DATA_DIR, LOGLIKELIHOOD, ROLLING, Task, load_items, resolve_tasks
 from minigpt.infer.fastpath import load_for_inference
 from minigpt.runtime import DTYPES, pick_device
+
+
+@dataclass
+class TaskRun:
+    """One task's outcome: lm-eval-style metric entries, chance accuracy (None: not an accuracy task), per-item
+    records, the number of items in its file (a ``bpb:`` file is one document) and of requests scored."""
+
+    entries: dict
+    chance: Optional[float]
+    records: list
+    n_total: int
+    n_requests: int  # log-likelihood requests (bpb: rolling windows)
+
 
 HIGHER_IS_BETTER = {"acc": True, "acc_norm": True, "perplexity": False, "word_perplexity": False,
                     "byte_perplexity": False, "bits_per_byte": False, "token_perplexity": False}
@@ -70,19 +84,19 @@ def evaluate(model, tokenizer, tasks: list[str], num_fewshot: int = 0, limit: Op
     for task in task_list:
         t0 = time.perf_counter()
         if task.output_type == ROLLING:
-            result, records, n_total, n_requests = _rolling_task(scorer, task, limit)
+            run = _rolling_task(scorer, task, limit)
         else:
-            result, records, n_total, n_requests = _scored_task(scorer, task, data_dir, num_fewshot, limit, seed,
-                                                                cache)
-        out["results"][task.name] = {"alias": task.name, **result.pop("_metrics")}
-        out["chance"][task.name] = result.pop("_chance")
+            run = _scored_task(scorer, task, data_dir, num_fewshot, limit, seed, cache)
+        out["results"][task.name] = {"alias": task.name, **run.entries}
+        out["chance"][task.name] = run.chance
         out["n-shot"][task.name] = 0 if task.output_type == ROLLING else num_fewshot
-        out["n-samples"][task.name] = {"original": n_total, "effective": len(records)}
+        out["n-samples"][task.name] = {"original": run.n_total, "effective": len(run.records)}
         out["higher_is_better"][task.name] = {m: HIGHER_IS_BETTER[m] for m in task.metrics}
         if samples:
-            out["samples"][task.name] = records
+            out["samples"][task.name] = run.records
         if log:
-            log(f"{task.name}: {len(records)} items, {n_requests} requests, {time.perf_counter() - t0:.1f} s")
+            log(f"{task.name}: {len(run.records)} items, {run.n_requests} requests, "
+                f"{time.perf_counter() - t0:.1f} s")
     for group, members in groups.items():
         out["groups"][group] = out["results"][group] = _group_metrics(group, out, members)
         out["chance"][group] = sum(out["chance"][m] * out["n-samples"][m]["effective"] for m in members) / max(
@@ -105,8 +119,8 @@ def _metric_entries(values: dict[str, float], stderrs: dict[str, Optional[float]
     return entries
 
 
-def _scored_task(scorer: Scorer, task: Task, data_dir: Path, num_fewshot: int, limit, seed, cache):
-    """Multiple-choice or LAMBADA-style task: ``(result, per-item records, items in file, requests scored)``."""
+def _scored_task(scorer: Scorer, task: Task, data_dir: Path, num_fewshot: int, limit, seed, cache) -> TaskRun:
+    """A multiple-choice or LAMBADA-style task: its items scored, with metrics and records."""
     items = load_items(task, data_dir / task.eval_file, cache)
     if not items:
         raise MiniGPTError(f"{data_dir / task.eval_file} holds no records for task {task.name}")
@@ -128,10 +142,9 @@ def _scored_task(scorer: Scorer, task: Task, data_dir: Path, num_fewshot: int, l
         values = {m: values[m] for m in task.metrics}
         for m, v in values.items():
             per_metric[m].append(v)
-        records.append({"doc_id": i, "line": item.line, "target": gold_index(task, item)
-                        if task.output_type != LOGLIKELIHOOD else item.target,
-                        "arguments": [list(r) for r in reqs], "loglikelihoods": lls,
-                        "is_greedy": [s.is_greedy for s in item_scores], **values})
+        target = item.target if task.output_type == LOGLIKELIHOOD else gold_index(task, item)
+        records.append({"doc_id": i, "line": item.line, "target": target, "arguments": [list(r) for r in reqs],
+                        "loglikelihoods": lls, "is_greedy": [s.is_greedy for s in item_scores], **values})
     values, stderrs = {}, {}
     for m, xs in per_metric.items():
         if m == "perplexity":
@@ -139,12 +152,11 @@ def _scored_task(scorer: Scorer, task: Task, data_dir: Path, num_fewshot: int, l
         else:
             values[m], stderrs[m] = metrics.mean(xs), metrics.mean_stderr(xs)
     chance = 0.0 if task.output_type == LOGLIKELIHOOD else metrics.mean([1 / len(it.choices) for it in items])
-    n_requests = sum(len(r) for r in requests)
-    return {"_metrics": _metric_entries(values, stderrs), "_chance": chance}, records, n_total, n_requests
+    return TaskRun(_metric_entries(values, stderrs), chance, records, n_total, sum(len(r) for r in requests))
 
 
-def _rolling_task(scorer: Scorer, task: Task, limit):
-    """``bpb:PATH``: the file (its first ``limit`` lines) as one document."""
+def _rolling_task(scorer: Scorer, task: Task, limit) -> TaskRun:
+    """``bpb:PATH``: the file (its first ``limit`` lines) as one document, scored in rolling windows."""
     path = Path(task.eval_file)
     try:
         lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
@@ -157,8 +169,8 @@ def _rolling_task(scorer: Scorer, task: Task, limit):
     values = metrics.rolling_metrics(score.loglikelihood, score.n_tokens, text)
     record = {"doc_id": 0, "loglikelihood": score.loglikelihood, "tokens": score.n_tokens,
               "bytes": len(text.encode("utf-8")), **values}
-    n = min(len(lines), limit) if limit else len(lines)
-    return {"_metrics": _metric_entries(values, {}), "_chance": None}, [record], len(lines), n
+    windows = -(-score.n_tokens // scorer.max_length)
+    return TaskRun(_metric_entries(values, {}), None, [record], 1, windows)
 
 
 def _group_metrics(group: str, out: dict, members: list[str]) -> dict:
