@@ -12,14 +12,14 @@ import argparse
 import os
 import sys
 
-from minigpt.cli import analysis, convert, data, generate, posttrain, serve, train
+from minigpt.cli import analysis, convert, data, evaluate, generate, posttrain, serve, train
 from minigpt.errors import MiniGPTError
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minigpt", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (data, train, posttrain, generate, convert, analysis, serve):
+    for module in (data, train, posttrain, generate, evaluate, convert, analysis, serve):
         module.register(sub)
     return parser
 
