@@ -267,7 +267,7 @@ def test_unsupported_rope_scaling_for_gguf_export(tmp_path):
 
 def test_pre_tokenizer_patterns_round_trip(tmp_path, tokenizer):
     """A byte-level vocabulary with Llama 3's split pattern: built from GGUF-style metadata, saved, read back under
-    the same llama.cpp name; an unknown pre-tokenizer is refused by name."""
+    the same llama.cpp name; so does Mistral's tekken (multi-regex and other names: tests/test_real_models.py)."""
     from minigpt.tokenizer.interop import build_tokenizer
 
     vocab = vocab_of(tokenizer)
@@ -278,5 +278,7 @@ def test_pre_tokenizer_patterns_round_trip(tmp_path, tokenizer):
     built.save(str(tmp_path / "tokenizer.json"))
     assert vocab_from_file(tmp_path / "tokenizer.json").pre == "llama-bpe"
     vocab.pre = "tekken"
-    with pytest.raises(MiniGPTError, match="pre-tokenizer 'tekken' is not supported"):
-        build_tokenizer(vocab)
+    pieces = [p for p, _ in build_tokenizer(vocab).pre_tokenizer.pre_tokenize_str("camelCase 12345")]
+    assert pieces == ["camel", "Case", "Ġ", "1", "2", "3", "4", "5"]  # a capital starts a word; digits one by one
+    build_tokenizer(vocab).save(str(tmp_path / "tokenizer.json"))
+    assert vocab_from_file(tmp_path / "tokenizer.json").pre == "tekken"

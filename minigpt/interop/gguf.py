@@ -232,12 +232,13 @@ def read_vocab(path: str | Path) -> Optional[Vocab]:
         model=model, tokens=tokens,
         types=value("tokenizer.ggml.token_type") or [1] * len(tokens),
         scores=value("tokenizer.ggml.scores"), merges=value("tokenizer.ggml.merges"),
-        pre=value("tokenizer.ggml.pre", "default"),
+        pre=value("tokenizer.ggml.pre"),
         bos_id=value("tokenizer.ggml.bos_token_id"), eos_id=value("tokenizer.ggml.eos_token_id"),
         pad_id=value("tokenizer.ggml.padding_token_id"), unk_id=value("tokenizer.ggml.unknown_token_id"),
+        eot_id=value("tokenizer.ggml.eot_token_id"), eom_id=value("tokenizer.ggml.eom_token_id"),
         add_space_prefix=bool(value("tokenizer.ggml.add_space_prefix", True)),
         add_bos=bool(value("tokenizer.ggml.add_bos_token", model == "llama")),
-        chat_template=value("tokenizer.chat_template"),
+        chat_template=value("tokenizer.chat_template"), where=str(path),
     )
 
 
@@ -332,7 +333,8 @@ def _add_tensor(writer, name: str, array: np.ndarray, qtype) -> None:
 
 def _add_vocab(writer, vocab: Vocab) -> None:
     writer.add_tokenizer_model(vocab.model)
-    writer.add_tokenizer_pre(vocab.pre)
+    if vocab.pre is not None:
+        writer.add_tokenizer_pre(vocab.pre)
     writer.add_token_list(vocab.tokens)
     writer.add_token_types(vocab.types)
     if vocab.scores is not None:
@@ -340,7 +342,8 @@ def _add_vocab(writer, vocab: Vocab) -> None:
     if vocab.merges:
         writer.add_token_merges(vocab.merges)
     for add, value in ((writer.add_bos_token_id, vocab.bos_id), (writer.add_eos_token_id, vocab.eos_id),
-                       (writer.add_pad_token_id, vocab.pad_id), (writer.add_unk_token_id, vocab.unk_id)):
+                       (writer.add_pad_token_id, vocab.pad_id), (writer.add_unk_token_id, vocab.unk_id),
+                       (writer.add_eot_token_id, vocab.eot_id), (writer.add_eom_token_id, vocab.eom_id)):
         if value is not None:
             add(value)
     writer.add_add_bos_token(vocab.add_bos)
