@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import regex
+from conftest import assert_one_line_error, run_cli
 
 import minigpt.interop.gguf as gguf_io
 from minigpt.tokenizer import pretokenizers
@@ -168,3 +169,263 @@ def test_table_lists_every_name_with_its_source_line():
     docs = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text(encoding="utf-8")
     for name in t["names"]:
         assert f"| `{name}` |" in docs, name
+
+
+# ------------------------------------------------------------------------------------------------ special tokens
+CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+LLAMA3 = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|start_header_id|>",
+          "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>"]
+CHAT_TEXT = ("<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHello, 世界! It's 12345 🙂"
+             "<|im_end|>\n<|im_start|>assistant\n<|im_start|x <|im_end|><|im_end|>")
+LLAMA3_TEXT = ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi, it's 2024 🙂<|eot_id|>"
+               "<|start_header_id|>assistant<|end_header_id|>\n\n<|eot_id|x<|end_of_text|>")
+
+
+def hf_tokenizer_dir(directory: Path, specials: list[str], pre: str, files: dict) -> Path:
+    """A Hugging Face tokenizer directory built from ``tokenizers`` objects: a byte-level BPE trained on the
+    test corpus with ``pre``'s split pattern, ``specials`` appended as special added tokens, and ``files``
+    (name -> JSON content) beside it."""
+    from tokenizers import Tokenizer, decoders, models, trainers
+
+    hf = Tokenizer(models.BPE(ignore_merges=pretokenizers.resolve(pre).ignore_merges))
+    hf.pre_tokenizer = pretokenizers.build(pretokenizers.resolve(pre))
+    hf.decoder = decoders.ByteLevel()
+    from tokenizers import pre_tokenizers
+
+    trainer = trainers.BpeTrainer(vocab_size=700, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    hf.train_from_iterator(CORPUS * 20, trainer=trainer)
+    hf.add_special_tokens(specials)
+    directory.mkdir(parents=True, exist_ok=True)
+    hf.save(str(directory / "tokenizer.json"))
+    for name, content in files.items():
+        (directory / name).write_text(json.dumps(content), encoding="utf-8")
+    return directory
+
+
+def chatml_dir(root: Path, **config) -> Path:
+    from tokenizers import Tokenizer
+
+    d = hf_tokenizer_dir(root / "chatml", CHATML, "qwen2", {})
+    ids = {t: Tokenizer.from_file(str(d / "tokenizer.json")).token_to_id(t) for t in CHATML}
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
+                        "pad_token": "<|endoftext|>", "unk_token": None, "add_bos_token": False,
+                        "added_tokens_decoder": {str(i): {"content": t, "special": True, "lstrip": False,
+                                                          "rstrip": False, "normalized": False, "single_word": False}
+                                                 for t, i in ids.items()}, **config}
+    (d / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (d / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]]}))
+    return d
+
+
+def llama3_dir(root: Path) -> Path:
+    from tokenizers import Tokenizer
+
+    d = hf_tokenizer_dir(root / "llama3", LLAMA3, "llama-bpe", {})
+    ids = {t: Tokenizer.from_file(str(d / "tokenizer.json")).token_to_id(t) for t in LLAMA3}
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}))
+    (d / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": ids["<|begin_of_text|>"],
+         "eos_token_id": [ids["<|end_of_text|>"], ids["<|eom_id|>"], ids["<|eot_id|>"]]}))
+    return d
+
+
+@pytest.mark.parametrize("kind", ["chatml", "llama3"])
+def test_special_tokens_in_text_match_transformers(kind, tmp_path):
+    """``encode(text, special=True)`` gives transformers' ids (``split_special_tokens=False``, its default) on
+    text full of special tokens, near misses (``<|im_start|x``) included; plain ``encode`` keeps them as text,
+    like transformers with ``split_special_tokens=True``."""
+    transformers = pytest.importorskip("transformers")
+    from minigpt.checkpoint.native import load_tokenizer
+
+    d, text = (chatml_dir(tmp_path), CHAT_TEXT) if kind == "chatml" else (llama3_dir(tmp_path), LLAMA3_TEXT)
+    ours = load_tokenizer(d)
+    theirs = transformers.AutoTokenizer.from_pretrained(d)
+    special = ours.encode(text, special=True)
+    assert special == theirs(text, add_special_tokens=False).input_ids
+    plain = ours.encode(text)
+    assert plain == theirs(text, add_special_tokens=False, split_special_tokens=True).input_ids
+    assert len(special) < len(plain)
+    assert set(ours.special_tokens) == set(CHATML if kind == "chatml" else LLAMA3)
+    assert ours.decode(special) == text == ours.decode(plain)
+    assert ours.encode(text, bos=False, eos=True, special=True) == special + [ours.eos_id]
+
+
+def test_special_encoding_is_linear_in_the_text(tmp_path):
+    """Many specials and a long text: the same ids as encoding each chunk, so nothing is matched across chunks
+    and no special is missed (the cost is one pass; no timing is asserted)."""
+    from minigpt.checkpoint.native import load_tokenizer
+
+    tok = load_tokenizer(chatml_dir(tmp_path))
+    long_text = CHAT_TEXT * 200
+    assert tok.encode(long_text, special=True) == tok.encode(CHAT_TEXT, special=True) * 200
+
+
+# ------------------------------------------------------------------------------------------------ roles
+def test_chatml_roles_come_from_its_files(tmp_path):
+    """bos_token null means no BOS (not <|endoftext|> by name); eos from tokenizer_config.json; every
+    eos_token_id of generation_config.json stops; all as transformers reads them."""
+    transformers = pytest.importorskip("transformers")
+    from minigpt.checkpoint.native import load_tokenizer
+
+    d = chatml_dir(tmp_path)
+    ours, theirs = load_tokenizer(d), transformers.AutoTokenizer.from_pretrained(d)
+    im_end, eot = ours.token_to_id("<|im_end|>"), ours.token_to_id("<|endoftext|>")
+    assert (ours.bos_id, ours.eos_id, ours.pad_id, ours.unk_id) == (None, im_end, eot, None)
+    assert (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id) == (None, im_end, eot)
+    generation = transformers.GenerationConfig.from_pretrained(d)
+    assert ours.stop_ids == (im_end, eot) and set(ours.stop_ids) == set(generation.eos_token_id)
+    assert ours.add_bos is False
+
+
+def test_special_tokens_map_overrides_a_config_without_added_tokens(tmp_path):
+    """transformers' precedence: special_tokens_map.json overrides tokenizer_config.json only when the latter has
+    no added_tokens_decoder (older files)."""
+    transformers = pytest.importorskip("transformers")
+    from minigpt.checkpoint.native import load_tokenizer
+
+    d = chatml_dir(tmp_path, added_tokens_decoder=None)
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    del config["added_tokens_decoder"]
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    (d / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "<|endoftext|>"},
+                                                           "bos_token": "<|im_start|>"}))
+    ours, theirs = load_tokenizer(d), transformers.AutoTokenizer.from_pretrained(d)
+    assert (ours.bos_id, ours.eos_id) == (theirs.bos_token_id, theirs.eos_token_id)
+    assert ours.eos_id == ours.token_to_id("<|endoftext|>") and ours.bos_id == ours.token_to_id("<|im_start|>")
+    config["added_tokens_decoder"] = {}
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    assert load_tokenizer(d).eos_id == ours.token_to_id("<|im_end|>")
+
+
+def test_llama3_end_of_turn_and_end_of_text_both_stop(tmp_path):
+    """Llama 3: <|eot_id|> (tokenizer_config eos), <|end_of_text|> and <|eom_id|> (generation_config) stop; the
+    same vocabulary in a GGUF stops on eos, eot / eom metadata and llama.cpp's end-of-generation names."""
+    from minigpt.checkpoint.native import load_tokenizer
+    from minigpt.tokenizer.interop import vocab_from_file
+
+    ours = load_tokenizer(llama3_dir(tmp_path))
+    eot, end, eom, bos = (ours.token_to_id(t) for t in ("<|eot_id|>", "<|end_of_text|>", "<|eom_id|>",
+                                                         "<|begin_of_text|>"))
+    assert (ours.bos_id, ours.eos_id) == (bos, eot)
+    assert ours.stop_ids == (eot, end, eom)
+
+    vocab = vocab_from_file(tmp_path / "llama3" / "tokenizer.json")
+    assert vocab.pre == "llama-bpe"
+    vocab.bos_id, vocab.eos_id, vocab.eot_id = bos, end, eot
+    g = load_tokenizer(write_vocab_gguf(tmp_path / "l3.gguf", vocab))
+    assert (g.bos_id, g.eos_id) == (bos, end) and set(g.stop_ids) == {end, eot, eom}
+    assert g.encode(LLAMA3_TEXT, special=True) == ours.encode(LLAMA3_TEXT, special=True)
+
+
+def test_names_are_only_a_fallback(tmp_path):
+    """A bare tokenizer.json (no side files): BOS/EOS by name, and end-of-turn tokens found by name also stop."""
+    from minigpt.tokenizer.tokenizer import Tokenizer
+
+    d = hf_tokenizer_dir(tmp_path / "bare", CHATML, "qwen2", {})
+    tok = Tokenizer.from_dir(d)
+    eot, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
+    assert (tok.bos_id, tok.eos_id) == (eot, eot) and tok.stop_ids == (eot, im_end)
+
+
+def test_sentencepiece_roles_and_special_text(shared_data):
+    """stories260K (SentencePiece): <s> = 1 is BOS, </s> = 2 EOS and the only stop id, <unk> = 0, no pad,
+    add_bos_token true (its tokenizer_config.json); "<s>" written in text is BOS with special=True and the text
+    around it is encoded piece by piece, as transformers' legacy Llama tokenizer does."""
+    import sentencepiece as spm
+
+    from minigpt.checkpoint.native import load_tokenizer
+
+    folder = shared_data / "models" / "stories260K" / "hf"
+    ours = load_tokenizer(folder)
+    sp = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+    assert (ours.bos_id, ours.eos_id, ours.unk_id, ours.pad_id, ours.stop_ids) == (1, 2, 0, None, (2,))
+    assert ours.add_bos is True and ours.special_tokens == {"<unk>": 0, "<s>": 1, "</s>": 2}
+    assert ours.encode("<s>Once upon a time</s>", special=True) == [1] + sp.encode("Once upon a time") + [2]
+    assert ours.encode("Lily said <s> hi", special=True) == sp.encode("Lily said ") + [1] + sp.encode(" hi")
+    assert ours.encode("<s>Once") == sp.encode("<s>Once") and 1 not in ours.encode("<s>Once")
+
+
+def test_import_keeps_roles_and_stop_ids(tmp_path):
+    """A GGUF with eot metadata imported into a MiniGPT directory keeps its roles (written as
+    tokenizer_config.json / generation_config.json) and its special tokens."""
+    import torch
+
+    from minigpt.checkpoint.native import import_model, load_tokenizer, model_state_dict
+    from minigpt.model.config import ModelConfig
+    from minigpt.model.transformer import Transformer
+    from minigpt.tokenizer.interop import vocab_from_file
+
+    ours = load_tokenizer(llama3_dir(tmp_path))
+    vocab = vocab_from_file(tmp_path / "llama3" / "tokenizer.json")
+    vocab.bos_id, vocab.eos_id, vocab.eot_id = ours.bos_id, ours.token_to_id("<|end_of_text|>"), ours.eos_id
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=ours.vocab_size, dim=32, n_layers=1, n_heads=4, n_kv_heads=2,
+                                    hidden_dim=64, max_seq_len=32))
+    gguf_io.write_gguf(model_state_dict(model), model.config, tmp_path / "m.gguf", vocab=vocab)
+    before = load_tokenizer(tmp_path / "m.gguf")
+    import_model(tmp_path / "m.gguf", tmp_path / "imported")
+    after = load_tokenizer(tmp_path / "imported")
+    assert (after.bos_id, after.eos_id, after.stop_ids) == (before.bos_id, before.eos_id, before.stop_ids)
+    assert after.encode(LLAMA3_TEXT, special=True) == before.encode(LLAMA3_TEXT, special=True)
+
+
+# ------------------------------------------------------------------------------------------------ errors
+def tiny_gguf(path: Path, vocab: Vocab) -> Path:
+    import torch
+
+    from minigpt.checkpoint.native import model_state_dict
+    from minigpt.model.config import ModelConfig
+    from minigpt.model.transformer import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=len(vocab.tokens), dim=32, n_layers=1, n_heads=4, n_kv_heads=2,
+                                    hidden_dim=64, max_seq_len=32))
+    return gguf_io.write_gguf(model_state_dict(model), model.config, path, vocab=vocab)
+
+
+@pytest.mark.parametrize("change,fragments", [
+    ({"model": "bert"}, ["tokenizer model 'bert'", "'gpt2'", "--tokenizer FILE"]),
+    ({"merges": None}, ["byte-level BPE vocabulary has no merges", "tokenizer.ggml.merges", "--tokenizer FILE"]),
+    ({"model": "llama", "scores": None}, ["SentencePiece vocabulary has no scores", "--tokenizer FILE"]),
+])
+def test_import_of_an_unbuildable_tokenizer_fails_and_writes_nothing(change, fragments, byte_vocab, tmp_path):
+    """`minigpt import` of a GGUF whose tokenizer cannot be built exits 1 with one line naming the file, what is
+    unsupported and what to do, and leaves no output directory (it used to print `wrote DIR` without a
+    tokenizer); `generate` on the same file fails with the same line."""
+    byte_vocab.pre = "gpt-2"
+    path = tiny_gguf(tmp_path / "m.gguf", Vocab(**{**byte_vocab.__dict__, **change}))
+    proc = run_cli("import", path, tmp_path / "out")
+    assert_one_line_error(proc, str(path), *fragments)
+    assert not (tmp_path / "out").exists()
+    assert_one_line_error(run_cli("generate", path, "--prompt", "hi", "--max-new-tokens", 2), str(path),
+                          *fragments)
+
+
+def test_import_with_an_unknown_pre_tokenizer_warns_once_and_imports(byte_vocab, tmp_path):
+    byte_vocab.pre = "brand-new-model"
+    path = tiny_gguf(tmp_path / "m.gguf", byte_vocab)
+    proc = run_cli("import", path, tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert line.startswith("warning: ") and "'brand-new-model'" in line
+    assert (tmp_path / "out" / "tokenizer.json").is_file() and proc.stdout.strip() == f"wrote {tmp_path / 'out'}"
+
+
+def test_import_of_a_gguf_without_tokenizer_writes_the_model_alone(byte_vocab, tmp_path):
+    import torch
+
+    from minigpt.checkpoint.native import model_state_dict
+    from minigpt.model.config import ModelConfig
+    from minigpt.model.transformer import Transformer
+
+    model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=64,
+                                    max_seq_len=32))
+    path = gguf_io.write_gguf(model_state_dict(model), model.config, tmp_path / "m.gguf")
+    with torch.no_grad():
+        proc = run_cli("import", path, tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
+    assert_one_line_error(run_cli("generate", tmp_path / "out", "--prompt", "hi"), "no tokenizer in")
