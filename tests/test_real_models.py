@@ -429,3 +429,68 @@ def test_import_of_a_gguf_without_tokenizer_writes_the_model_alone(byte_vocab, t
     assert proc.returncode == 0, proc.stderr
     assert not (tmp_path / "out" / "tokenizer.json").exists()
     assert_one_line_error(run_cli("generate", tmp_path / "out", "--prompt", "hi"), "no tokenizer in")
+
+
+# ------------------------------------------------------------------------------------------------ tensor types
+def _dequantizable_types() -> set[str]:
+    """Every block type gguf-py can dequantize, found by asking it."""
+    import numpy as np
+
+    out = set()
+    for t in gguf.GGMLQuantizationType:
+        if t not in gguf.GGML_QUANT_SIZES or t.name in ("F64", "I8", "I16", "I32", "I64"):
+            continue
+        block, size = gguf.GGML_QUANT_SIZES[t]
+        try:
+            gguf.quants.dequantize(np.zeros((1, size), np.uint8), t)
+        except NotImplementedError:
+            continue
+        out.add(t.name)
+    return out
+
+
+def test_every_type_gguf_dequantizes_is_read():
+    assert set(gguf_io.READ_TYPES) == _dequantizable_types()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # random bytes make some fp16 scales inf / NaN
+@pytest.mark.parametrize("qname", [t for t in gguf_io.READ_TYPES if t not in ("F32", "F16", "BF16")])
+def test_quantized_tensors_load_as_gguf_dequantizes_them(qname, tmp_path, monkeypatch):
+    """Every matrix of a model stored as random blocks of ``qname``: the model loads, and each weight equals
+    gguf-py's own ``gguf.quants.dequantize`` of the stored bytes (q/k rows un-permuted as llama.cpp permuted them)."""
+    import numpy as np
+    import torch
+
+    from minigpt.checkpoint.native import load_model, model_state_dict
+    from minigpt.model.config import ModelConfig
+    from minigpt.model.rope import interleaved_to_half
+    from minigpt.model.transformer import Transformer
+
+    qtype = gguf.GGMLQuantizationType[qname]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    original = gguf_io._add_tensor
+
+    def random_blocks(writer, name, array, _):
+        if array.ndim < 2:
+            return original(writer, name, array, gguf.GGMLQuantizationType.F32)
+        rng = np.random.default_rng(len(name))
+        raw = rng.integers(0, 256, (array.shape[0], array.shape[1] // block * size), dtype=np.uint8)
+        writer.add_tensor(name, raw, raw_dtype=qtype)
+
+    config = ModelConfig(vocab_size=64, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=256, max_seq_len=16)
+    model = Transformer(config)
+    monkeypatch.setattr(gguf_io, "_add_tensor", random_blocks)
+    path = gguf_io.write_gguf(model_state_dict(model), config, tmp_path / "m.gguf")
+    monkeypatch.setattr(gguf_io, "_add_tensor", original)
+    loaded = load_model(path).state_dict()
+    for t in gguf.GGUFReader(path).tensors:
+        if len(t.shape) < 2:
+            continue
+        assert t.tensor_type == qtype
+        expected = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, qtype), np.float32))
+        key = gguf_io.from_gguf_key(t.name)
+        if key.endswith("wq.weight"):
+            expected = interleaved_to_half(expected, config.n_heads)
+        elif key.endswith("wk.weight"):
+            expected = interleaved_to_half(expected, config.n_kv_heads)
+        torch.testing.assert_close(loaded[key], expected, rtol=0, atol=0, equal_nan=True, msg=key)

@@ -10,7 +10,8 @@ ours:
 * llama.cpp's RoPE rotates interleaved pairs, so ``convert_hf_to_gguf.py`` permutes the rows of ``attn_q`` /
   ``attn_k`` (see :func:`minigpt.model.rope.half_to_interleaved`); import undoes it, export redoes it.
 
-Dequantized types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K. Written types: F32, F16, BF16
+Dequantized types: every one the ``gguf`` package dequantizes (:data:`READ_TYPES`: F32, F16, BF16, Q4_0..Q8_0,
+Q2_K..Q6_K, the IQ and TQ types, MXFP4, NVFP4). Written types: F32, F16, BF16
 and Q8_0 (1-D tensors always F32, as llama.cpp does; Q8_0 needs rows that are a multiple of 32 values and falls
 back to F16 otherwise). Errors (not a GGUF, truncated, another architecture, an unsupported quantization type,
 unknown tensors) raise :class:`MiniGPTError`.
@@ -55,7 +56,10 @@ _GLOBAL_KEYS = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "ou
 _GGUF_LAYER = {v: k for k, v in _LAYER_KEYS.items()}
 _GGUF_GLOBAL = {v: k for k, v in _GLOBAL_KEYS.items()}
 
-READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# Every type the gguf package (llama.cpp's reference Python code) can dequantize; Q8_1, Q8_K and Q1_0 it cannot.
+READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+              "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0",
+              "MXFP4", "NVFP4")
 WRITE_TYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "q8_0": "Q8_0"}
 
 
