@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 
 import pytest
-import regex
 from conftest import assert_one_line_error, run_cli
 
 import minigpt.interop.gguf as gguf_io
@@ -59,6 +58,7 @@ def write_vocab_gguf(path: Path, vocab: Vocab) -> Path:
 def llama_cpp_split(text: str, regexes) -> list[str]:
     """llama.cpp's ``unicode_regex_split``: each regex in turn splits every piece into its matches and the text
     between them (an independent implementation with the ``regex`` package)."""
+    regex = pytest.importorskip("regex")
     pieces = [text]
     for pattern in regexes:
         out = []
@@ -414,9 +414,7 @@ def test_import_with_an_unknown_pre_tokenizer_warns_once_and_imports(byte_vocab,
     assert (tmp_path / "out" / "tokenizer.json").is_file() and proc.stdout.strip() == f"wrote {tmp_path / 'out'}"
 
 
-def test_import_of_a_gguf_without_tokenizer_writes_the_model_alone(byte_vocab, tmp_path):
-    import torch
-
+def test_import_of_a_gguf_without_tokenizer_writes_the_model_alone(tmp_path):
     from minigpt.checkpoint.native import model_state_dict
     from minigpt.model.config import ModelConfig
     from minigpt.model.transformer import Transformer
@@ -424,8 +422,7 @@ def test_import_of_a_gguf_without_tokenizer_writes_the_model_alone(byte_vocab, t
     model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=64,
                                     max_seq_len=32))
     path = gguf_io.write_gguf(model_state_dict(model), model.config, tmp_path / "m.gguf")
-    with torch.no_grad():
-        proc = run_cli("import", path, tmp_path / "out")
+    proc = run_cli("import", path, tmp_path / "out")
     assert proc.returncode == 0, proc.stderr
     assert not (tmp_path / "out" / "tokenizer.json").exists()
     assert_one_line_error(run_cli("generate", tmp_path / "out", "--prompt", "hi"), "no tokenizer in")
