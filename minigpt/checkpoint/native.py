@@ -26,7 +26,8 @@ from minigpt.model.config import ModelConfig
 from minigpt.model.quant import METHOD
 from minigpt.model.transformer import Transformer
 from minigpt.tokenizer.interop import build_tokenizer, read_llama2c_tokenizer
-from minigpt.tokenizer.tokenizer import Tokenizer
+from minigpt.tokenizer.roles import config_files, roles_from_gguf
+from minigpt.tokenizer.tokenizer import Tokenizer, TokenizerMissing
 
 
 def model_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
@@ -183,34 +184,37 @@ def quantization_of(source: str | Path) -> Optional[dict]:
     return d.get("quantization") if d.get("format") == FORMAT else None
 
 
-def load_tokenizer(source: str | Path):
-    """The tokenizer of a model source: SentencePiece ``tokenizer.model`` or else ``tokenizer.json`` in a directory,
-    the ``tokenizer.*`` metadata of a GGUF, or the tokenizer beside a llama2.c ``.bin``.
+def load_tokenizer(source: str | Path) -> Tokenizer:
+    """The tokenizer of a model source, with the special-token roles its files declare
+    (:mod:`minigpt.tokenizer.roles`): SentencePiece ``tokenizer.model`` or else ``tokenizer.json`` in a directory
+    (with ``tokenizer_config.json`` / ``special_tokens_map.json`` / ``generation_config.json`` beside it), the
+    ``tokenizer.*`` metadata of a GGUF, or the tokenizer beside a llama2.c ``.bin``.
 
-    Raises :class:`MiniGPTError` when there is none.
+    Raises :class:`TokenizerMissing` when the source has none, :class:`MiniGPTError` (one line: the file, what is
+    unsupported, what to do) when it has one that cannot be read.
     """
-
     source = Path(source)
     if source.is_file() and source.suffix == ".gguf":
-
         vocab = read_vocab(source)
         if vocab is None:
-            raise MiniGPTError(f"{source} has no tokenizer metadata (tokenizer.ggml.*)")
-        return Tokenizer(hf=build_tokenizer(vocab))
+            raise TokenizerMissing(f"{source} has no tokenizer metadata (tokenizer.ggml.*); give one with "
+                                   "--tokenizer FILE where the command has it")
+        roles = roles_from_gguf(vocab.bos_id, vocab.eos_id, vocab.pad_id, vocab.unk_id, vocab.eot_id, vocab.eom_id,
+                                vocab.add_bos, str(source))
+        return Tokenizer(hf=build_tokenizer(vocab), roles=roles)
     if source.is_file() and source.suffix == ".bin":
-
         found = find_tokenizer(source)
         if found is None:
-            raise MiniGPTError(f"no tokenizer beside {source}: expected tokenizer.model, *.model, tokenizer.bin or "
-                               "tok*.bin in the same directory")
+            raise TokenizerMissing(f"no tokenizer beside {source}: expected tokenizer.model, *.model, tokenizer.bin "
+                                   "or tok*.bin in the same directory")
         if found.suffix == ".model":
             return Tokenizer.from_file(found)
-        return Tokenizer(hf=build_tokenizer(read_llama2c_tokenizer(found)))
-    if (source / "tokenizer.model").is_file():
-        # A tokenizer.json beside a SentencePiece model is a conversion of it (Hugging Face repos, our own HF
-        # export) that differs in whitespace normalisation; the original is the reference.
-        return Tokenizer.from_file(source / "tokenizer.model")
-    return Tokenizer.from_dir(source)
+        vocab = read_llama2c_tokenizer(found)
+        return Tokenizer(hf=build_tokenizer(vocab), roles=roles_from_gguf(vocab.bos_id, vocab.eos_id, None,
+                                                                            vocab.unk_id, None, None, True, str(found)))
+    # A tokenizer.json beside a SentencePiece model is a conversion of it (Hugging Face repos, our own HF export)
+    # that differs in whitespace normalisation; the original is the reference.
+    return Tokenizer.from_dir(source, prefer_sentencepiece=True)
 
 
 def load_chat_template(source: str | Path) -> Optional[str]:
@@ -233,8 +237,10 @@ def import_model(
 ) -> Path:
     """``minigpt import``: read any model source and write it as a MiniGPT model directory ``out``.
 
-    The tokenizer comes from ``tokenizer_path`` if given, else from the source (none: the model is written alone);
-    a chat template is kept in ``tokenizer_config.json``. Raises :class:`MiniGPTError` for an unreadable source.
+    The tokenizer comes from ``tokenizer_path`` if given, else from the source; a source without any tokenizer is
+    written alone, but one whose tokenizer cannot be built is an error and nothing is written. The special-token
+    roles and the chat template are kept in ``tokenizer_config.json`` and ``generation_config.json`` (Hugging Face
+    shapes, read back by :func:`load_tokenizer`). Raises :class:`MiniGPTError` for an unreadable source.
     """
 
     model = load_model(source, dtype=dtype)
@@ -243,7 +249,7 @@ def import_model(
     else:
         try:
             tokenizer = load_tokenizer(source)
-        except MiniGPTError:
+        except TokenizerMissing:
             tokenizer = None
     if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
         raise MiniGPTError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
@@ -251,9 +257,15 @@ def import_model(
     chat_template = load_chat_template(source)
     with atomic_dir(out) as tmp:
         write_model_files(model, tmp, tokenizer)
-        if chat_template:
-            (tmp / "tokenizer_config.json").write_text(json.dumps({"chat_template": chat_template}, indent=2,
-                                                                  ensure_ascii=False) + "\n")
+        if tokenizer is not None:
+            spell = lambda i: None if i is None else tokenizer.id_to_token(i)  # noqa: E731
+            files = config_files(spell(tokenizer.bos_id), spell(tokenizer.eos_id), spell(tokenizer.pad_id),
+                                 spell(tokenizer.unk_id), list(tokenizer.stop_ids), tokenizer.bos_id,
+                                 tokenizer.add_bos, chat_template)
+        else:
+            files = {"tokenizer_config.json": {"chat_template": chat_template}} if chat_template else {}
+        for name, content in files.items():
+            (tmp / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
     return Path(out)
 
 

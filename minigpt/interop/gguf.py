@@ -10,7 +10,8 @@ ours:
 * llama.cpp's RoPE rotates interleaved pairs, so ``convert_hf_to_gguf.py`` permutes the rows of ``attn_q`` /
   ``attn_k`` (see :func:`minigpt.model.rope.half_to_interleaved`); import undoes it, export redoes it.
 
-Dequantized types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K. Written types: F32, F16, BF16
+Dequantized types: every one the ``gguf`` package dequantizes (:data:`READ_TYPES`: F32, F16, BF16, Q4_0..Q8_0,
+Q2_K..Q6_K, the IQ and TQ types, MXFP4, NVFP4). Written types: F32, F16, BF16
 and Q8_0 (1-D tensors always F32, as llama.cpp does; Q8_0 needs rows that are a multiple of 32 values and falls
 back to F16 otherwise). Errors (not a GGUF, truncated, another architecture, an unsupported quantization type,
 unknown tensors) raise :class:`MiniGPTError`.
@@ -55,7 +56,10 @@ _GLOBAL_KEYS = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "ou
 _GGUF_LAYER = {v: k for k, v in _LAYER_KEYS.items()}
 _GGUF_GLOBAL = {v: k for k, v in _GLOBAL_KEYS.items()}
 
-READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# Every type the gguf package (llama.cpp's reference Python code) can dequantize; Q8_1, Q8_K and Q1_0 it cannot.
+READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+              "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0",
+              "MXFP4", "NVFP4")
 WRITE_TYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "q8_0": "Q8_0"}
 
 
@@ -232,12 +236,13 @@ def read_vocab(path: str | Path) -> Optional[Vocab]:
         model=model, tokens=tokens,
         types=value("tokenizer.ggml.token_type") or [1] * len(tokens),
         scores=value("tokenizer.ggml.scores"), merges=value("tokenizer.ggml.merges"),
-        pre=value("tokenizer.ggml.pre", "default"),
+        pre=value("tokenizer.ggml.pre"),
         bos_id=value("tokenizer.ggml.bos_token_id"), eos_id=value("tokenizer.ggml.eos_token_id"),
         pad_id=value("tokenizer.ggml.padding_token_id"), unk_id=value("tokenizer.ggml.unknown_token_id"),
+        eot_id=value("tokenizer.ggml.eot_token_id"), eom_id=value("tokenizer.ggml.eom_token_id"),
         add_space_prefix=bool(value("tokenizer.ggml.add_space_prefix", True)),
         add_bos=bool(value("tokenizer.ggml.add_bos_token", model == "llama")),
-        chat_template=value("tokenizer.chat_template"),
+        chat_template=value("tokenizer.chat_template"), where=str(path),
     )
 
 
@@ -332,7 +337,8 @@ def _add_tensor(writer, name: str, array: np.ndarray, qtype) -> None:
 
 def _add_vocab(writer, vocab: Vocab) -> None:
     writer.add_tokenizer_model(vocab.model)
-    writer.add_tokenizer_pre(vocab.pre)
+    if vocab.pre is not None:
+        writer.add_tokenizer_pre(vocab.pre)
     writer.add_token_list(vocab.tokens)
     writer.add_token_types(vocab.types)
     if vocab.scores is not None:
@@ -340,7 +346,8 @@ def _add_vocab(writer, vocab: Vocab) -> None:
     if vocab.merges:
         writer.add_token_merges(vocab.merges)
     for add, value in ((writer.add_bos_token_id, vocab.bos_id), (writer.add_eos_token_id, vocab.eos_id),
-                       (writer.add_pad_token_id, vocab.pad_id), (writer.add_unk_token_id, vocab.unk_id)):
+                       (writer.add_pad_token_id, vocab.pad_id), (writer.add_unk_token_id, vocab.unk_id),
+                       (writer.add_eot_token_id, vocab.eot_id), (writer.add_eom_token_id, vocab.eom_id)):
         if value is not None:
             add(value)
     writer.add_add_bos_token(vocab.add_bos)

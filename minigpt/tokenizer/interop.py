@@ -21,26 +21,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from minigpt.errors import MiniGPTError
+from minigpt.tokenizer import pretokenizers
 
 # llama.cpp token types (gguf.TokenType)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 SPIECE_SPACE = "\u2581"  # SentencePiece's visible space, "▁"
-
-# Pre-tokenizer split patterns by llama.cpp's `tokenizer.ggml.pre` name. "gpt-2" is the GPT-2 pattern built into
-# `tokenizers`' ByteLevel (Radford et al. 2019); the others are the published patterns of Llama 3 (Meta's
-# tokenizer.py) and Qwen2 (which splits digits one by one).
-_LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZER_PATTERNS: dict[str, Optional[str]] = {
-    "default": None, "gpt-2": None,
-    "llama-bpe": _LLAMA3_PATTERN, "llama3": _LLAMA3_PATTERN, "llama-v3": _LLAMA3_PATTERN,
-    "smaug-bpe": _LLAMA3_PATTERN, "dbrx": _LLAMA3_PATTERN,
-    "qwen2": _QWEN2_PATTERN, "deepseek-r1-qwen": _QWEN2_PATTERN,
-}
-
 
 @dataclass
 class Vocab:
@@ -48,6 +34,9 @@ class Vocab:
 
     ``model``: ``"gpt2"`` (byte-level BPE; ``merges`` are ``"left right"`` strings, in rank order) or ``"llama"``
     (SentencePiece BPE; ``scores`` give the merge priority). ``types`` are llama.cpp token types, one per token.
+    ``pre`` is llama.cpp's pre-tokenizer name (:mod:`minigpt.tokenizer.pretokenizers`; None: not given).
+    ``eot_id`` / ``eom_id``: end of turn / end of message (GGUF ``tokenizer.ggml.eot_token_id`` /
+    ``eom_token_id``). ``where`` names the file it came from, for messages.
     """
 
     model: str
@@ -55,15 +44,18 @@ class Vocab:
     types: list[int]
     scores: Optional[list[float]] = None
     merges: Optional[list[str]] = None
-    pre: str = "gpt-2"
+    pre: Optional[str] = "gpt-2"
     bos_id: Optional[int] = None
     eos_id: Optional[int] = None
     pad_id: Optional[int] = None
     unk_id: Optional[int] = None
+    eot_id: Optional[int] = None
+    eom_id: Optional[int] = None
     add_space_prefix: bool = True
     remove_extra_whitespaces: bool = False  # SentencePiece's normalizer option; not stored in GGUF
     add_bos: bool = False
     chat_template: Optional[str] = None
+    where: str = "tokenizer"
 
     def token(self, i: Optional[int]) -> Optional[str]:
         return None if i is None else self.tokens[i]
@@ -71,14 +63,20 @@ class Vocab:
 
 # ----------------------------------------------------------------------------------------------------- building
 def build_tokenizer(vocab: Vocab):
-    """A ``tokenizers.Tokenizer`` equivalent to ``vocab``; raises :class:`MiniGPTError` for an unknown model or
-    pre-tokenizer."""
+    """A ``tokenizers.Tokenizer`` equivalent to ``vocab``.
+
+    An unknown pre-tokenizer name is not an error: it falls back to GPT-2's pattern with a warning
+    (:func:`minigpt.tokenizer.pretokenizers.resolve`). Raises :class:`MiniGPTError` for a tokenizer model other than
+    ``gpt2`` / ``llama`` or a vocabulary without its merges / scores.
+    """
     if vocab.model == "gpt2":
         tok = _byte_level_bpe(vocab)
     elif vocab.model == "llama":
         tok = _sentencepiece_bpe(vocab)
     else:
-        raise MiniGPTError(f"tokenizer model {vocab.model!r} is not supported; supported: 'gpt2', 'llama'")
+        raise MiniGPTError(f"{vocab.where}: tokenizer model {vocab.model!r} (tokenizer.ggml.model) is not supported: "
+                           "MiniGPT reads 'gpt2' (byte-level BPE) and 'llama' (SentencePiece) vocabularies; import "
+                           "the model with --tokenizer FILE (a tokenizer.json or tokenizer.model) instead")
     from tokenizers import AddedToken
 
     special = [AddedToken(t, special=True, normalized=False) for t, k in zip(vocab.tokens, vocab.types)
@@ -93,25 +91,17 @@ def build_tokenizer(vocab: Vocab):
 
 
 def _byte_level_bpe(vocab: Vocab):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models
 
     if vocab.merges is None:
-        raise MiniGPTError("a byte-level BPE tokenizer needs its merges (tokenizer.ggml.merges is missing)")
-    if vocab.pre not in PRE_TOKENIZER_PATTERNS:
-        raise MiniGPTError(f"pre-tokenizer {vocab.pre!r} is not supported; supported: "
-                           f"{', '.join(sorted(PRE_TOKENIZER_PATTERNS))}")
+        raise MiniGPTError(f"{vocab.where}: its byte-level BPE vocabulary has no merges (tokenizer.ggml.merges is "
+                           "missing); import the model with --tokenizer FILE instead")
     merges = [tuple(m.split(" ", 1)) for m in vocab.merges]
     ids = {t: i for i, t in enumerate(vocab.tokens)}
-    pattern = PRE_TOKENIZER_PATTERNS[vocab.pre]
+    pre = pretokenizers.resolve(vocab.pre, vocab.where)
     # Llama 3's tokenizer looks a whole pre-token up in the vocabulary before merging (`ignore_merges`).
-    tok = Tokenizer(models.BPE(vocab=ids, merges=merges, ignore_merges=pattern == _LLAMA3_PATTERN))
-    if pattern is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+    tok = Tokenizer(models.BPE(vocab=ids, merges=merges, ignore_merges=pre.ignore_merges))
+    tok.pre_tokenizer = pretokenizers.build(pre)
     tok.decoder = decoders.ByteLevel()
     return tok
 
@@ -138,7 +128,8 @@ def _sentencepiece_bpe(vocab: Vocab):
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers
 
     if vocab.scores is None:
-        raise MiniGPTError("a SentencePiece tokenizer needs its scores (tokenizer.ggml.scores is missing)")
+        raise MiniGPTError(f"{vocab.where}: its SentencePiece vocabulary has no scores (tokenizer.ggml.scores is "
+                           "missing); import the model with --tokenizer FILE instead")
     ids = {t: i for i, t in enumerate(vocab.tokens)}
     merges = sentencepiece_merges(vocab.tokens, vocab.scores, vocab.types)
     unk = vocab.token(vocab.unk_id)
@@ -208,11 +199,12 @@ def _pre_name(pre: Optional[dict], where: str) -> tuple[bool, str]:
         return True, "gpt-2"
     if pre.get("type") == "Sequence":
         steps = pre.get("pretokenizers", [])
-        if (len(steps) == 2 and steps[0].get("type") == "Split" and steps[1].get("type") == "ByteLevel"):
-            pattern = steps[0].get("pattern", {}).get("Regex")
-            for name, known in PRE_TOKENIZER_PATTERNS.items():
-                if known is not None and known == pattern:
-                    return True, name
+        splits = tuple(s.get("pattern", {}).get("Regex") for s in steps[:-1])
+        if (steps and steps[-1].get("type") == "ByteLevel" and all(s.get("type") == "Split" for s in steps[:-1])
+                and all(s.get("behavior") == "Isolated" and not s.get("invert") for s in steps[:-1])):
+            name = pretokenizers.name_for_splits(splits)
+            if name is not None:
+                return True, name
     if pre.get("type") == "Metaspace":
         return False, "default"
     raise MiniGPTError(f"{where}: pre-tokenizer {pre.get('type')!r} has no GGUF equivalent")

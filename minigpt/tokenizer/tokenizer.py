@@ -10,18 +10,26 @@ Two back ends sit behind one :class:`Tokenizer` interface:
   normalize whitespace on encode, so the round trip is exact only for text sentencepiece leaves unchanged.
 
 Special tokens of the tokenizers we train (:data:`SPECIAL_TOKENS`): id 0 ``<|endoftext|>`` separates documents
-and serves as both BOS and EOS (as in GPT-2); id 1 ``<|pad|>`` pads batches. Special tokens are only ever
-produced by ``bos=True`` / ``eos=True``: the literal text ``"<|endoftext|>"`` inside a document is encoded as
-ordinary text, so a corpus can never inject a fake document boundary.
+and serves as both BOS and EOS (as in GPT-2); id 1 ``<|pad|>`` pads batches. By default special tokens are only
+ever produced by ``bos=True`` / ``eos=True``: the literal text ``"<|endoftext|>"`` inside a document is encoded as
+ordinary text, so a corpus can never inject a fake document boundary. ``encode(text, special=True)`` instead maps
+every special token of the tokenizer written literally in ``text`` to its id (chat prompts, ``<|im_start|>``), as
+transformers does by default (``split_special_tokens=False``).
+
+Which ids are BOS / EOS / pad / unk and which end generation comes from the model's own files when they say
+(:mod:`minigpt.tokenizer.roles`), else from the token names.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Union
 
 from minigpt.errors import MiniGPTError, one_line
+from minigpt.tokenizer import roles as roles_mod
+from minigpt.tokenizer.roles import UNSET, TokenRoles
 
 PathLike = Union[str, Path]
 
@@ -36,10 +44,9 @@ SP_FILE = "tokenizer.model"
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS) + 1
 MAX_VOCAB_SIZE = 2**32
 
-# Names that foreign tokenizer.json files commonly use for their BOS / EOS / pad tokens, most specific first.
-_BOS_NAMES = (EOT_TOKEN, "<s>", "<|begin_of_text|>", "[CLS]", "<bos>")
-_EOS_NAMES = (EOT_TOKEN, "</s>", "<|end_of_text|>", "<|eot_id|>", "[SEP]", "<eos>")
-_PAD_NAMES = (PAD_TOKEN, "<pad>", "[PAD]", "<|finetune_right_pad_id|>")
+
+class TokenizerMissing(MiniGPTError):
+    """A model source has no tokenizer at all (as opposed to one that cannot be read)."""
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> "Tokenizer":
@@ -89,24 +96,45 @@ class Tokenizer:
     ints in ``[0, vocab_size)``.
     """
 
-    def __init__(self, hf=None, sp=None, sp_proto: Optional[bytes] = None):
+    def __init__(self, hf=None, sp=None, sp_proto: Optional[bytes] = None, roles: Optional[TokenRoles] = None):
         if (hf is None) == (sp is None):
             raise ValueError("Tokenizer needs exactly one of hf= (tokenizers.Tokenizer) or sp= (SentencePieceProcessor)")
         self._hf = hf
         self._sp = sp
         self._sp_proto = sp_proto
+        self._hf_special = None  # a copy of hf that matches special tokens in text (encode(special=True))
+        self._special_re = None  # the same for sentencepiece: one alternation of the escaped specials
         if hf is not None:
             # Text that happens to contain "<|endoftext|>" must stay text (see module docstring). This flag is not
             # part of the serialized JSON, so it does not affect sha256 and must be set again on every load.
             hf.encode_special_tokens = True
-            self._bos_id = self._lookup(_BOS_NAMES)
-            self._eos_id = self._lookup(_EOS_NAMES)
-            self._pad_id = self._lookup(_PAD_NAMES)
-        else:
-            self._bos_id = _nonneg_or_none(sp.bos_id())
-            self._eos_id = _nonneg_or_none(sp.eos_id())
-            self._pad_id = _nonneg_or_none(sp.pad_id())
+        self.set_roles(roles or TokenRoles())
         self._sha256: Optional[str] = None
+
+    def set_roles(self, roles: TokenRoles) -> None:
+        """Apply the special-token roles a model's files declare; roles they leave UNSET are found by name."""
+        if self._sp is not None:
+            own = {"bos": self._sp.bos_id(), "eos": self._sp.eos_id(), "pad": self._sp.pad_id(),
+                   "unk": self._sp.unk_id()}
+            by_name = {k: _nonneg_or_none(v) for k, v in own.items()}
+        else:
+            by_name = {"bos": self._lookup(roles_mod.BOS_NAMES), "eos": self._lookup(roles_mod.EOS_NAMES),
+                       "pad": self._lookup(roles_mod.PAD_NAMES), "unk": self._lookup(roles_mod.UNK_NAMES)}
+        ids = {k: by_name[k] if getattr(roles, k) == UNSET else getattr(roles, k) for k in by_name}
+        for k, i in ids.items():
+            if i is not None and not 0 <= i < self.vocab_size:
+                where = f" in {roles.source}" if roles.source else ""
+                raise MiniGPTError(f"the {k} token id {i}{where} is outside the vocabulary (0..{self.vocab_size - 1}); "
+                                   "fix the id in the model's tokenizer files")
+        self._bos_id, self._eos_id, self._pad_id, self._unk_id = ids["bos"], ids["eos"], ids["pad"], ids["unk"]
+        stop = [i for i in (self._eos_id, *roles.stop) if i is not None and 0 <= i < self.vocab_size]
+        names = roles_mod.LLAMA_CPP_EOG_NAMES if roles.named_eog else ()
+        if not roles.stop and not roles.named_eog and roles.eos == UNSET:
+            names = roles_mod.END_OF_TURN_NAMES  # no file says: end-of-turn tokens found by name also stop
+        stop += [i for i in (self.token_to_id(n) for n in names) if i is not None]
+        self._stop_ids = tuple(dict.fromkeys(stop))
+        self._add_bos = roles.add_bos
+        self._roles = roles
 
     # ----------------------------------------------------------------------------------------------- loading
     @classmethod
@@ -130,17 +158,23 @@ class Tokenizer:
         return cls(hf=hf)
 
     @classmethod
-    def from_dir(cls, directory: PathLike) -> "Tokenizer":
-        """Load the tokenizer stored in ``directory``: ``tokenizer.json`` if present, else ``tokenizer.model``.
+    def from_dir(cls, directory: PathLike, prefer_sentencepiece: bool = False) -> "Tokenizer":
+        """Load the tokenizer stored in ``directory``: ``tokenizer.json`` if present, else ``tokenizer.model``
+        (the other way round with ``prefer_sentencepiece``), with the special-token roles of the Hugging Face side
+        files beside it (``tokenizer_config.json``, ``special_tokens_map.json``, ``generation_config.json``,
+        ``config.json``; :func:`minigpt.tokenizer.roles.roles_from_dir`).
 
         Raises:
-            MiniGPTError: neither file exists (the message names the directory and both file names).
+            TokenizerMissing: neither file exists (the message names the directory and both file names).
+            MiniGPTError: a file cannot be read.
         """
         directory = Path(directory)
-        for name in (HF_FILE, SP_FILE):
+        for name in ((SP_FILE, HF_FILE) if prefer_sentencepiece else (HF_FILE, SP_FILE)):
             if (directory / name).is_file():
-                return cls.from_file(directory / name)
-        raise MiniGPTError(
+                tok = cls.from_file(directory / name)
+                tok.set_roles(roles_mod.roles_from_dir(directory, tok.token_to_id, tok.vocab_size))
+                return tok
+        raise TokenizerMissing(
             f"no tokenizer in {directory}: expected {HF_FILE} (Hugging Face tokenizers) or {SP_FILE} (sentencepiece)"
         )
 
@@ -207,6 +241,38 @@ class Tokenizer:
         return self._pad_id
 
     @property
+    def unk_id(self) -> Optional[int]:
+        """Id of the unknown token, or None (byte-level BPE needs none)."""
+        return self._unk_id
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation, EOS first: EOS, the ``eos_token_id`` list of generation_config.json, a
+        GGUF's end-of-turn / end-of-message ids and llama.cpp's end-of-generation names (:mod:`.roles`); when no
+        file says, end-of-turn tokens found by name (``<|eot_id|>``, ``<|im_end|>`` ...)."""
+        return self._stop_ids
+
+    @property
+    def add_bos(self) -> Optional[bool]:
+        """Whether the model's own tokenizer prepends BOS to a prompt (``add_bos_token`` / GGUF
+        ``tokenizer.ggml.add_bos_token``); None when its files do not say."""
+        return self._add_bos
+
+    @property
+    def roles(self) -> TokenRoles:
+        """The roles as the model's files declared them (UNSET where they are silent)."""
+        return self._roles
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Every special token that ``encode(special=True)`` recognises in text: spelling -> id (added tokens
+        marked special for ``tokenizers``; control and unknown pieces for sentencepiece)."""
+        if self._sp is not None:
+            sp = self._sp
+            return {sp.id_to_piece(i): i for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i)}
+        return {t.content: i for i, t in self._hf.get_added_tokens_decoder().items() if t.special}
+
+    @property
     def sha256(self) -> str:
         """Hex SHA-256 of the canonical serialized tokenizer; equal before and after save/load.
 
@@ -232,6 +298,10 @@ class Tokenizer:
             return i if self._sp.id_to_piece(i) == token else None
         return self._hf.token_to_id(token)
 
+    def id_to_token(self, i: int) -> str:
+        """The spelling of id ``i`` in the vocabulary (byte-level tokens in their printable-character form)."""
+        return self._sp.id_to_piece(i) if self._sp is not None else self._hf.id_to_token(i)
+
     def _lookup(self, names: Sequence[str]) -> Optional[int]:
         for name in names:
             i = self._hf.token_to_id(name)
@@ -240,13 +310,22 @@ class Tokenizer:
         return None
 
     # ----------------------------------------------------------------------------------------------- coding
-    def encode(self, text: str, bos: bool = False, eos: bool = False) -> List[int]:
+    def encode(self, text: str, bos: bool = False, eos: bool = False, special: bool = False) -> List[int]:
         """Token ids of ``text``, optionally with ``bos_id`` prepended / ``eos_id`` appended.
+
+        ``special=False`` (default): special tokens written in ``text`` are encoded as ordinary text.
+        ``special=True``: each special token of the tokenizer (:attr:`special_tokens`, not only BOS/EOS/pad)
+        written literally in ``text`` becomes its id, like transformers with ``split_special_tokens=False``; the
+        text between them is encoded as usual (for sentencepiece each piece separately, as transformers' legacy
+        Llama tokenizer does). Cost: linear in ``len(text)`` (Aho-Corasick in ``tokenizers``; one precompiled
+        alternation for sentencepiece).
 
         Raises:
             ValueError: ``bos``/``eos`` requested but the tokenizer has no such token.
         """
-        if self._sp is not None:
+        if special:
+            ids = self._encode_special(text)
+        elif self._sp is not None:
             ids = self._sp.encode(text)
         else:
             # add_special_tokens=False: a foreign tokenizer.json's post-processor must not add its own BOS/EOS.
@@ -255,6 +334,34 @@ class Tokenizer:
             ids.insert(0, self._require(self._bos_id, "bos"))
         if eos:
             ids.append(self._require(self._eos_id, "eos"))
+        return ids
+
+    def _encode_special(self, text: str) -> List[int]:
+        if self._hf is not None:
+            if self._hf_special is None:
+                from tokenizers import Tokenizer as HFTokenizer
+
+                # A second instance whose added-vocabulary matcher also splits on special tokens; the flag is per
+                # instance, and toggling it on the shared one would race between threads (serve).
+                self._hf_special = HFTokenizer.from_str(self._hf.to_str())
+                self._hf_special.encode_special_tokens = False
+            return self._hf_special.encode(text, add_special_tokens=False).ids
+        if self._special_re is None:
+            specials = self.special_tokens
+            # Longest first, so that a special token that begins with another one wins.
+            alternation = "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))
+            self._special_re = (re.compile(alternation) if specials else None, specials)
+        pattern, specials = self._special_re
+        if pattern is None:
+            return self._sp.encode(text)
+        ids, pos = [], 0
+        for m in pattern.finditer(text):
+            if m.start() > pos:
+                ids += self._sp.encode(text[pos:m.start()])
+            ids.append(specials[m.group()])
+            pos = m.end()
+        if pos < len(text):
+            ids += self._sp.encode(text[pos:])
         return ids
 
     def encode_batch(self, texts: List[str]) -> List[List[int]]:
@@ -281,7 +388,7 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return (f"Tokenizer(backend={self.backend!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
-                f"eos_id={self.eos_id}, pad_id={self.pad_id})")
+                f"eos_id={self.eos_id}, pad_id={self.pad_id}, stop_ids={self.stop_ids})")
 
 
 class StreamDecoder:
