@@ -20,6 +20,7 @@ from minigpt.checkpoint.native import load_chat_template, load_model, load_token
 from minigpt.data.poetry import check_form
 from minigpt.errors import MiniGPTError
 from minigpt.infer.generate import generate_tokens
+from minigpt.infer.sampling import SamplingParams
 from minigpt.serve.chat import ChatFormatter
 from minigpt.tokenizer.chat_template import IM_END
 
@@ -34,7 +35,7 @@ def answer_all(source: str, prompts: list[dict], max_new_tokens: int) -> list[st
     for p in prompts:
         ids = formatter.encode(p["messages"])
         budget = min(max_new_tokens, model.config.max_seq_len - len(ids))
-        text = tokenizer.decode(list(generate_tokens(model, ids, max(budget, 1), stop_ids=stop_ids)))
+        text = tokenizer.decode(list(generate_tokens(model, ids, SamplingParams(max_tokens=max(budget, 1), temperature=0.0), stop_ids=stop_ids)))
         for stop in formatter.stop:  # the plain template's implicit end of turn
             text = text.split(stop)[0]
         answers.append(text.strip())

@@ -35,6 +35,41 @@ def tiny_data(tmp_path_factory) -> Path:
 TINY_MODEL = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64, "multiple_of": 16}
 
 
+def random_model(shape: dict, seed: int = 0, *, noise: float = 0.0, norm_noise: float | None = None, **overrides):
+    """The one tiny random model of the test suite: ``Transformer(ModelConfig(**{**shape, **overrides}))`` built
+    after ``torch.manual_seed(seed)``, in eval mode.
+
+    ``noise`` adds N(0, noise) to every weight and ``norm_noise`` (default: ``noise``) to the norm gains and the
+    biases, so that parity tests cannot pass because a norm is the identity or a bias is zero. Each test module
+    keeps its own ``shape`` (vocabulary, widths, context) as a constant.
+    """
+    import torch
+
+    from minigpt.model.config import ModelConfig
+    from minigpt.model.transformer import Transformer
+
+    torch.manual_seed(seed)
+    model = Transformer(ModelConfig(**{**shape, **overrides})).eval()
+    norm_noise = noise if norm_noise is None else norm_noise
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = norm_noise if "norm" in name or name.endswith("bias") else noise
+            if scale:
+                p.add_(torch.randn_like(p) * scale)
+    return model
+
+
+def train_config(tiny_data, out_dir, **kw):
+    """A pretraining config on :func:`tiny_data` with the :data:`TINY_MODEL` shape; ``kw`` overrides any field."""
+    from minigpt.train.loop import TrainConfig
+
+    base = dict(data=str(tiny_data), out_dir=str(out_dir), preset="tiny", model=dict(TINY_MODEL), seq_len=32,
+                batch_size=8, lr=3e-3, warmup_steps=5, max_steps=60, eval_interval=30, eval_windows=16,
+                log_interval=5, ckpt_interval=1000, seed=0, threads=1)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
 # Subprocesses of the CLI: one thread each (the suite shares 2 cores) and never a hub lookup.
 CLI_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1"}

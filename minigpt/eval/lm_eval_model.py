@@ -33,6 +33,7 @@ from minigpt.checkpoint.tokenizer_bos import adds_bos
 from minigpt.eval.scoring import Scorer, rolling_windows
 from minigpt.infer.fastpath import load_for_inference
 from minigpt.infer.generate import generate_tokens
+from minigpt.infer.sampling import SamplingParams
 from minigpt.runtime import DTYPES, pick_device
 
 
@@ -125,8 +126,9 @@ class MiniGPTLM(TemplateLM):
             temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
             ids = self.tok_encode(context)[-(self.max_length - max_gen_toks):]
             tokens, text = [], ""
-            for token in generate_tokens(self.model, ids, max_gen_toks, temperature, kwargs.get("top_k"),
-                                         kwargs.get("top_p"), kwargs.get("seed"), stop_ids):
+            params = SamplingParams(max_tokens=max_gen_toks, temperature=temperature, top_k=kwargs.get("top_k"),
+                                    top_p=kwargs.get("top_p"), seed=kwargs.get("seed"))
+            for token in generate_tokens(self.model, ids, params, stop_ids=stop_ids):
                 tokens.append(token)
                 text = self.tok_decode(tokens)
                 if any(stop and stop in text for stop in until):

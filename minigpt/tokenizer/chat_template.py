@@ -19,9 +19,12 @@ turn's ``CONTENT<|im_end|>``; models are saved with the plain one, which every J
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 from typing import Any, Optional
 
 from minigpt.errors import MiniGPTError
+from minigpt.tokenizer.interop import build_tokenizer, vocab_from_file
 from minigpt.tokenizer.tokenizer import Tokenizer
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -90,11 +93,6 @@ def tokenizers_backend(tokenizer: Tokenizer):
     from tokenizers import Tokenizer as HFTokenizer
 
     if tokenizer.backend == "sentencepiece":
-        import tempfile
-        from pathlib import Path
-
-        from minigpt.tokenizer.interop import build_tokenizer, vocab_from_file
-
         with tempfile.TemporaryDirectory() as tmp:
             hf = build_tokenizer(vocab_from_file(tokenizer.save(Path(tmp))))
     else:

@@ -5,10 +5,11 @@ import os
 import struct
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
-from conftest import assert_one_line_error, run_cli
+from conftest import assert_one_line_error, random_model, run_cli, train_config
 
 from minigpt.checkpoint.convert import export_hf
 from minigpt.checkpoint.native import import_model, load_model, load_tokenizer, save_pretrained
@@ -28,15 +29,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMER
 torch.set_num_threads(1)
 
 
-def random_model(seed=0, **kw) -> Transformer:
-    """A tiny model with every parameter random (norm gains and biases too, so none of them is a no-op)."""
-    torch.manual_seed(seed)
-    base = dict(vocab_size=97, dim=32, n_layers=2, n_heads=4, hidden_dim=48, max_seq_len=96)
-    model = Transformer(ModelConfig(**{**base, **kw})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.1 if "norm" in name or name.endswith("bias") else 0.02))
-    return model
+SHAPE = dict(vocab_size=97, dim=32, n_layers=2, n_heads=4, hidden_dim=48, max_seq_len=96)
+# Every parameter random (norm gains and biases too, so none of them is a no-op).
+random_model = partial(random_model, SHAPE, noise=0.02, norm_noise=0.1)
 
 
 def hf_reference(model: Transformer):
@@ -422,11 +417,9 @@ def test_errors_are_one_clear_line(tmp_path):
 def test_trained_model_exports_and_generates_the_same_text_in_transformers(tiny_data, tmp_path):
     """Train a few steps, export, and compare `minigpt generate --temperature 0` with transformers' greedy
     `generate` in a fresh Python process (AutoModelForCausalLM + AutoTokenizer, offline)."""
-    from test_train import _cfg
-
     from minigpt.train.loop import train
 
-    train(_cfg(tiny_data, tmp_path / "run", max_steps=30, eval_interval=30))
+    train(train_config(tiny_data, tmp_path / "run", max_steps=30, eval_interval=30))
     export = run_cli("export", tmp_path / "run", tmp_path / "hf", "--format", "hf")
     assert export.returncode == 0, export.stderr
     prompt, n = "ROMEO:", 24

@@ -4,12 +4,12 @@ import json
 import pickle
 
 import pytest
-from conftest import TINY_MODEL, assert_one_line_error, run_cli
+from conftest import assert_one_line_error, run_cli, train_config
 
 from minigpt.checkpoint.atomic import MANIFEST, sha256_file
 from minigpt.checkpoint.dcp import read_index
 from minigpt.errors import MiniGPTError
-from minigpt.train.loop import TrainConfig, train
+from minigpt.train.loop import train
 
 
 class _Payload:
@@ -23,11 +23,8 @@ class _Payload:
 
 
 def _run(tiny_data, out_dir, **kw):
-    cfg = dict(data=str(tiny_data), out_dir=str(out_dir), preset="tiny", model=dict(TINY_MODEL), seq_len=32,
-               batch_size=4, lr=3e-3, warmup_steps=1, max_steps=2, eval_interval=1000, eval_windows=4,
-               log_interval=1, ckpt_interval=2, seed=0, threads=1)
-    cfg.update(kw)
-    return train(TrainConfig(**cfg))
+    return train(train_config(tiny_data, out_dir, **{**dict(batch_size=4, warmup_steps=1, max_steps=2, eval_interval=1000,
+                                                           eval_windows=4, log_interval=1, ckpt_interval=2), **kw}))
 
 
 def _poison(ckpt, marker):

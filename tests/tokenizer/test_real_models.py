@@ -166,7 +166,7 @@ def test_table_lists_every_name_with_its_source_line():
         assert entry["line"] or entry.get("commit"), name
     for kind, entry in t["types"].items():
         assert entry["line"] > 0 and all(r["line"] > entry["line"] for r in entry["regexes"]), kind
-    docs = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text(encoding="utf-8")
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text(encoding="utf-8")
     for name in t["names"]:
         assert f"| `{name}` |" in docs, name
 

@@ -2,16 +2,17 @@
 quantized format, the fast path over int8 weights, and the perplexity change on a small real slice."""
 import json
 import math
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import random_model
 
 from minigpt.checkpoint.native import load_model, save_pretrained
 from minigpt.checkpoint.quantized import save_quantized
 from minigpt.errors import MiniGPTError
 from minigpt.infer.fastpath import FastPath, prepare
-from minigpt.model.config import ModelConfig
 from minigpt.model.quant import (
     Int8Linear,
     dequantize_weight,
@@ -20,7 +21,7 @@ from minigpt.model.quant import (
     quantize_model,
     quantize_weight,
 )
-from minigpt.model.transformer import Transformer, lm_loss
+from minigpt.model.transformer import lm_loss
 
 torch.set_num_threads(1)
 
@@ -51,10 +52,8 @@ def test_int8_matmul_equals_dequantized_matmul():
     torch.testing.assert_close(layer(x), y, atol=0, rtol=0)
 
 
-def _model(seed=0, **kw):
-    torch.manual_seed(seed)
-    base = dict(vocab_size=61, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=48, multiple_of=16)
-    return Transformer(ModelConfig(**{**base, **kw})).eval()
+SHAPE = dict(vocab_size=61, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=48, multiple_of=16)
+_model = partial(random_model, SHAPE)
 
 
 @pytest.mark.parametrize("tied", [True, False])

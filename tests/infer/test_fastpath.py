@@ -2,14 +2,15 @@
 cached fast decoding equals the plain forward (fp32 within 1e-5; bf16 within a stated tolerance), batched
 variable-length generation equals one prompt at a time, and int8 weight-only layers match their dequantized
 matrices. Speed is measured by `minigpt bench`, never asserted here."""
+from functools import partial
+
 import pytest
 import torch
+from conftest import random_model
 
 from minigpt.infer.fastpath import FastPath, prepare, supports
 from minigpt.infer.generate import generate_batch, generate_tokens
 from minigpt.infer.sampling import SamplingParams
-from minigpt.model.config import ModelConfig
-from minigpt.model.transformer import Transformer
 
 torch.set_num_threads(1)
 
@@ -24,15 +25,9 @@ CONFIGS = {
 }
 
 
-def make(seed=0, **kw) -> Transformer:
-    """A small random model whose norms and biases are not the identity (so none of them is a no-op)."""
-    torch.manual_seed(seed)
-    base = dict(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, max_seq_len=64, multiple_of=16)
-    model = Transformer(ModelConfig(**{**base, **kw})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.1 if "norm" in name or name.endswith("bias") else 0.02))
-    return model
+SHAPE = dict(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, max_seq_len=64, multiple_of=16)
+# Norms and biases that are not the identity (so none of them is a no-op).
+make = partial(random_model, SHAPE, noise=0.02, norm_noise=0.1)
 
 
 def cached_pieces(model, tokens: torch.Tensor, attention_mask=None) -> torch.Tensor:

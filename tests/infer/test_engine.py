@@ -1,9 +1,10 @@
 """The continuous-batching engine in-process: batched = alone, slots, seeds, stop strings, UTF-8, failures."""
 import random
+from functools import partial
 
 import pytest
 import torch
-from conftest import TINY_MODEL
+from conftest import TINY_MODEL, random_model
 from torch import nn
 
 from minigpt.infer.engine import Engine
@@ -13,13 +14,11 @@ from minigpt.infer.kv_cache import SlotKVCache
 from minigpt.infer.request import EngineClosed, QueueFull
 from minigpt.infer.sampling import InvalidRequest, SamplingParams
 from minigpt.model.config import ModelConfig
-from minigpt.model.transformer import Transformer, positions_from_mask
+from minigpt.model.transformer import positions_from_mask
 from minigpt.tokenizer.tokenizer import Tokenizer, train_tokenizer
 
-
-def tiny_model(seed=0, **overrides):
-    torch.manual_seed(seed)
-    return Transformer(ModelConfig(vocab_size=320, **{**TINY_MODEL, "max_seq_len": 128, **overrides})).eval()
+SHAPE = dict(vocab_size=320, **{**TINY_MODEL, "max_seq_len": 128})
+tiny_model = partial(random_model, SHAPE)
 
 
 def drain(req):

@@ -6,10 +6,12 @@ import math
 import os
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import random_model
 
 from minigpt.infer.generate import generate_tokens
 from minigpt.infer.sampling import SamplingParams
@@ -17,7 +19,6 @@ from minigpt.model.attention import Attention, causal_mask, naive_attention
 from minigpt.model.config import ModelConfig
 from minigpt.model.flash_reference import flash_attention
 from minigpt.model.positions import Alibi, alibi_slopes, sinusoidal_table
-from minigpt.model.transformer import Transformer
 
 torch.set_num_threads(1)
 
@@ -44,15 +45,9 @@ VARIANTS = {
 VOCAB = 61
 
 
-def make(seed=0, **kw) -> Transformer:
-    torch.manual_seed(seed)
-    base = dict(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=48, multiple_of=16)
-    model = Transformer(ModelConfig(**{**base, **kw})).eval()
-    with torch.no_grad():  # non-trivial norms and biases, so that none of them is a no-op
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-    return model
+SHAPE = dict(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=48, multiple_of=16)
+# Non-trivial norms and biases, so that none of them is a no-op.
+make = partial(random_model, SHAPE, norm_noise=0.1)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

@@ -2,9 +2,11 @@
 between steps, training logs, and the MixtralForCausalLM export with logit parity against transformers."""
 import json
 import math
+from functools import partial
 
 import pytest
 import torch
+from conftest import random_model
 
 from minigpt.errors import MiniGPTError
 from minigpt.model.accounting import flops_per_token
@@ -135,15 +137,8 @@ def test_training_adds_router_losses_and_logs_expert_load(tiny_data, tmp_path):
 transformers = pytest.importorskip("transformers", reason="transformers is a test-only dependency")
 
 
-def random_moe(seed=0, **kw) -> Transformer:
-    torch.manual_seed(seed)
-    base = dict(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, n_experts=4,
-                n_experts_per_token=2, moe_hidden_dim=40)
-    model = Transformer(ModelConfig(**{**base, **kw})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.1 if "norm" in name else 0.05))
-    return model
+MOE_SHAPE = dict(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, n_experts=4, n_experts_per_token=2, moe_hidden_dim=40)
+random_moe = partial(random_model, MOE_SHAPE, noise=0.05, norm_noise=0.1)
 
 
 @pytest.mark.parametrize("kw", [dict(tie_embeddings=False), dict(tie_embeddings=True, n_experts_per_token=1),

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import TINY_MODEL
+from conftest import TINY_MODEL, train_config
 
 from minigpt.checkpoint.native import load_model, resolve_checkpoint, verify_manifest
 from minigpt.errors import MiniGPTError
@@ -18,7 +18,7 @@ from minigpt.model.config import ModelConfig
 from minigpt.model.transformer import Transformer
 from minigpt.train import state as train_state
 from minigpt.train.distributed import DistInfo
-from minigpt.train.loop import TrainConfig, train
+from minigpt.train.loop import train
 from minigpt.train.schedule import decay_progress, warmup_cosine_lr
 from minigpt.train.state import find_latest as find_resume_checkpoint
 from minigpt.train.trainer import param_groups
@@ -56,16 +56,8 @@ def test_weight_decay_only_on_matrices():
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
 
 
-def _cfg(tiny_data, out_dir, **kw):
-    base = dict(data=str(tiny_data), out_dir=str(out_dir), preset="tiny", model=dict(TINY_MODEL), seq_len=32,
-                batch_size=8, lr=3e-3, warmup_steps=5, max_steps=60, eval_interval=30, eval_windows=16,
-                log_interval=5, ckpt_interval=1000, seed=0, threads=1)
-    base.update(kw)
-    return TrainConfig(**base)
-
-
 def test_loss_falls_on_real_text(tiny_data, tmp_path):
-    result = train(_cfg(tiny_data, tmp_path / "run", max_steps=200, batch_size=16, lr=5e-3, eval_interval=100))
+    result = train(train_config(tiny_data, tmp_path / "run", max_steps=200, batch_size=16, lr=5e-3, eval_interval=100))
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     first, last = rows[0]["loss"], rows[-1]["loss"]
     assert first > math.log(320) - 0.5  # starts near uniform
@@ -85,13 +77,13 @@ def test_loss_falls_on_real_text(tiny_data, tmp_path):
 
 def test_resume_reproduces_the_uninterrupted_run(tiny_data, tmp_path):
     full = tmp_path / "full"
-    train(_cfg(tiny_data, full, max_steps=12, ckpt_interval=4, keep_checkpoints=10, model={**TINY_MODEL, "dropout": 0.1}))
+    train(train_config(tiny_data, full, max_steps=12, ckpt_interval=4, keep_checkpoints=10, model={**TINY_MODEL, "dropout": 0.1}))
     # Simulate a crash right after the step-8 checkpoint: later checkpoints never happened.
     crashed = tmp_path / "crashed"
     shutil.copytree(full, crashed)
     shutil.rmtree(crashed / "checkpoints" / "step_0000012")
     (crashed / "latest").write_text("checkpoints/step_0000008\n")
-    train(_cfg(tiny_data, crashed, max_steps=12, ckpt_interval=4, keep_checkpoints=10, resume=True,
+    train(train_config(tiny_data, crashed, max_steps=12, ckpt_interval=4, keep_checkpoints=10, resume=True,
                model={**TINY_MODEL, "dropout": 0.1}))
     a = load_model(full / "checkpoints" / "step_0000012").state_dict()
     b = load_model(crashed / "checkpoints" / "step_0000012").state_dict()
@@ -180,7 +172,7 @@ def test_a_non_finite_step_is_skipped_and_training_continues(tiny_data, tmp_path
     import minigpt.train.loop as train_mod
 
     monkeypatch.setattr(train_mod, "lm_loss", _nan_after(5, n_bad=1))
-    train(_cfg(tiny_data, tmp_path / "run", max_steps=10, log_interval=1))
+    train(train_config(tiny_data, tmp_path / "run", max_steps=10, log_interval=1))
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r.get("skipped")] == [6]
     model = load_model(resolve_checkpoint(tmp_path / "run"))
@@ -192,7 +184,7 @@ def test_consecutive_non_finite_steps_abort_and_keep_the_last_good_checkpoint(ti
 
     monkeypatch.setattr(train_mod, "lm_loss", _nan_after(8))
     with pytest.raises(MiniGPTError, match="3 consecutive steps with a non-finite"):
-        train(_cfg(tiny_data, tmp_path / "run", max_steps=50, ckpt_interval=4, max_bad_steps=3))
+        train(train_config(tiny_data, tmp_path / "run", max_steps=50, ckpt_interval=4, max_bad_steps=3))
     good = find_resume_checkpoint(tmp_path / "run")
     assert good.name == "step_0000008"
     assert all(torch.isfinite(p).all() for p in load_model(good).parameters())
@@ -256,5 +248,5 @@ def test_not_enough_disk_space_is_a_clear_error_before_training(tiny_data, tmp_p
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(train_state.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
     with pytest.raises(MiniGPTError, match="not enough free disk space"):
-        train(_cfg(tiny_data, tmp_path / "run"))
+        train(train_config(tiny_data, tmp_path / "run"))
     assert not (tmp_path / "run" / "checkpoints").exists()

@@ -2,12 +2,13 @@
 from GGUF metadata, and one clear error per broken file."""
 import json
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import assert_one_line_error, run_cli
+from conftest import assert_one_line_error, random_model, run_cli
 
 import minigpt.interop.gguf as gguf_io
 from minigpt.checkpoint.convert import export_gguf, export_hf
@@ -16,7 +17,6 @@ from minigpt.errors import MiniGPTError
 from minigpt.infer.generate import generate_tokens
 from minigpt.infer.sampling import SamplingParams
 from minigpt.model.config import ModelConfig
-from minigpt.model.transformer import Transformer
 from minigpt.tokenizer.interop import vocab_from_file
 
 gguf = pytest.importorskip("gguf")
@@ -36,16 +36,9 @@ def vocab_of(tok):
         return vocab_from_file(tok.save(Path(tmp)))
 
 
-def random_model(seed=0, **kw) -> Transformer:
-    """Shapes that are whole 256-value blocks, so every quantization type applies to every matrix."""
-    torch.manual_seed(seed)
-    base = dict(vocab_size=300, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=256, max_seq_len=64)
-    model = Transformer(ModelConfig(**{**base, **kw})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model
+GGUF_SHAPE = dict(vocab_size=300, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=256, max_seq_len=64)
+# Shapes that are whole 256-value blocks, so every quantization type applies to every matrix.
+random_model = partial(random_model, GGUF_SHAPE, norm_noise=0.1)
 
 
 # ------------------------------------------------------------------------------------------------ round trips

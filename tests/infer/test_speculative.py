@@ -4,13 +4,13 @@ import math
 
 import pytest
 import torch
+from conftest import random_model
 
 from minigpt.errors import MiniGPTError
 from minigpt.infer.fastpath import FastPath
 from minigpt.infer.generate import generate_tokens
 from minigpt.infer.sampling import SamplingParams, sampling_probs
 from minigpt.infer.speculative import SpeculativeStats, accept_reject, greedy_accept, speculative_tokens
-from minigpt.model.config import ModelConfig
 from minigpt.model.transformer import Transformer
 
 torch.set_num_threads(1)
@@ -20,14 +20,12 @@ def greedy(max_tokens):
     return SamplingParams(max_tokens=max_tokens, temperature=0)
 
 
+SHAPE = dict(dim=48, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=96, multiple_of=16)
+
+
 def make(seed=0, vocab=53, **kw) -> Transformer:
-    torch.manual_seed(seed)
-    base = dict(vocab_size=vocab, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=96, multiple_of=16)
-    model = Transformer(ModelConfig(**{**base, **kw})).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)  # peakier logits than the 0.02 init: a less uniform distribution
-    return model
+    # noise 0.05: peakier logits than the 0.02 init, a less uniform distribution to sample from
+    return random_model(SHAPE, seed, noise=0.05, vocab_size=vocab, **kw)
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:

@@ -1,7 +1,10 @@
 """The compiled decode step (torch.compile over a static cache, positions and padding as tensors) computes what the
 eager fast path computes, for plain and left-padded batches, and one graph serves every step. Kept apart from
 test_perf.py because a compilation takes seconds."""
+from functools import partial
+
 import torch
+from conftest import random_model
 
 from minigpt.infer.fastpath import CACHE_BUCKET, FastPath
 from minigpt.infer.generate import generate_batch, generate_tokens
@@ -16,14 +19,8 @@ torch.set_num_threads(1)
 THREE_LAYERS = ModelConfig(vocab_size=61, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=64, multiple_of=16)
 
 
-def make(seed=0, **kw) -> Transformer:
-    torch.manual_seed(seed)
-    base = dict(vocab_size=61, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=96, multiple_of=16)
-    model = Transformer(ModelConfig(**{**base, **kw})).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
+SHAPE = dict(vocab_size=61, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=96, multiple_of=16)
+make = partial(random_model, SHAPE, noise=0.05)
 
 
 def eager_and_compiled_int8_steps(build, tokens: torch.Tensor, prefill: int):
