@@ -37,9 +37,10 @@ def main() -> int:
     p.add_argument("tree_a", type=Path, help="the reference source tree (e.g. the commit before the change)")
     p.add_argument("tree_b", type=Path, help="the tree under test")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then minigpt bench flags")
-    args = p.parse_args()
-    bench_args = [a for a in args.bench_args if a != "--"]
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = p.parse_args(argv[:cut])
+    bench_args = argv[cut + 1:]  # everything after "--" goes to minigpt bench
     rounds = []
     for r in range(args.rounds):
         a = run_bench(args.tree_a, bench_args)
