@@ -17,7 +17,7 @@ with the log-ratios averaged over each answer's tokens ``|y|``, TRL's convention
 which states the IPO authors confirmed it; the paper does not normalise by length).
 
 The reference is a frozen copy of the starting model; with LoRA it is the same model with its adapters disabled
-(:func:`~minigpt.posttrain.lora.adapters_disabled`, as TRL does with PEFT), so no second copy is held; with
+(:func:`~minigpt.model.lora.adapters_disabled`, as TRL does with PEFT), so no second copy is held; with
 ``precompute_ref`` its log-probs for every pair are computed once before training (TRL's
 ``precompute_ref_log_probs``), and no reference is kept at all for full fine-tuning. It always runs in eval mode.
 Dropout is disabled in the policy, as TRL's ``disable_dropout=True`` default does, so that the policy equals the
@@ -53,8 +53,8 @@ from minigpt.checkpoint.native import load_chat_template, load_model, load_token
 from minigpt.data.chat import SkipReport, token_losses
 from minigpt.data.preference import PairBatch, PreferencePair, load_preference_dataset, pad_pairs, read_preferences
 from minigpt.errors import MiniGPTError
+from minigpt.model.lora import adapters_disabled, apply_lora, lora_layers, trainable_parameters
 from minigpt.model.quant import is_quantized
-from minigpt.posttrain.lora import adapters_disabled, apply_lora, lora_layers, trainable_parameters
 from minigpt.posttrain.sft import check_out_dir, prepare_chat, save_sft_output
 from minigpt.runtime import DTYPES, pick_device
 from minigpt.tokenizer.chat_template import ChatTemplate

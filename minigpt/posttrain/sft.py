@@ -13,7 +13,7 @@ Output ``out_dir`` (written atomically at the end, or when interrupted with Ctrl
 (``config.json``, ``model.safetensors``, ``tokenizer.json``, ``chat_template.jinja``; LoRA adapters merged in)
 that every command reads, ``metrics.jsonl`` (one row per logged step: ``loss``, ``val_loss``, ``lr``,
 ``grad_norm``, ``tokens_per_s`` counting real tokens, ``padding_fraction``), ``sft_config.json``, and with LoRA
-``adapter/``, the unmerged adapters in PEFT's format (:mod:`minigpt.posttrain.adapter`).
+``adapter/``, the unmerged adapters in PEFT's format (:mod:`minigpt.checkpoint.adapter`).
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from minigpt.checkpoint.adapter import save_adapter
 from minigpt.checkpoint.atomic import atomic_dir
 from minigpt.checkpoint.native import (
     load_chat_template,
@@ -47,9 +48,8 @@ from minigpt.data.chat import (
     pad_batch,
 )
 from minigpt.errors import MiniGPTError
+from minigpt.model.lora import apply_lora, merge_lora, trainable_parameters
 from minigpt.model.quant import is_quantized
-from minigpt.posttrain.adapter import save_adapter
-from minigpt.posttrain.lora import apply_lora, merge_lora, trainable_parameters
 from minigpt.posttrain.packing import packed_forward
 from minigpt.posttrain.vocab import add_chat_tokens
 from minigpt.runtime import DTYPES, pick_device

@@ -10,6 +10,7 @@ import torch
 from chat_helpers import chat_tokenizer, hf_copy, save_hf_tokenizer, sentence, tiny_model
 from conftest import assert_one_line_error, run_cli
 
+from minigpt.checkpoint.adapter import CONFIG_NAME, load_adapter
 from minigpt.checkpoint.native import load_model, save_pretrained
 from minigpt.data.chat import SkipReport
 from minigpt.data.preference import (
@@ -22,9 +23,8 @@ from minigpt.data.preference import (
 )
 from minigpt.errors import MiniGPTError
 from minigpt.interop.hf import to_hf_key
-from minigpt.posttrain.adapter import CONFIG_NAME, load_adapter
+from minigpt.model.lora import adapters_disabled, apply_lora, lora_layers
 from minigpt.posttrain.dpo import METRICS, DPOConfig, Reference, batch_loss, dpo_loss, train_dpo
-from minigpt.posttrain.lora import adapters_disabled, apply_lora, lora_layers
 from minigpt.tokenizer.chat_template import CHATML_TEMPLATE, ChatTemplate
 
 NULL = contextlib.nullcontext  # the autocast context factory of a float32 run

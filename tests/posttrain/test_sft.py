@@ -7,9 +7,9 @@ import torch
 from chat_helpers import chat_tokenizer, conversations, tiny_model
 from conftest import assert_one_line_error, run_cli
 
+from minigpt.checkpoint.adapter import CONFIG_NAME, load_adapter
 from minigpt.checkpoint.native import load_chat_template, load_model, load_tokenizer, save_pretrained
 from minigpt.data.chat import SkipReport, read_conversations
-from minigpt.posttrain.adapter import CONFIG_NAME, load_adapter
 from minigpt.posttrain.sft import SFTConfig, sft
 from minigpt.posttrain.vocab import add_chat_tokens
 from minigpt.tokenizer.chat_template import CHATML_TEMPLATE, CHATML_TRAINING_TEMPLATE, IM_END, IM_START, ChatTemplate

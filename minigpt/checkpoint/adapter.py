@@ -32,8 +32,8 @@ from torch import nn
 from minigpt.checkpoint.atomic import atomic_dir
 from minigpt.errors import MiniGPTError
 from minigpt.interop.hf import from_hf_key, to_hf_key
+from minigpt.model.lora import HF_TARGETS, LoRALinear, lora_layers
 from minigpt.model.quant import Int8Linear
-from minigpt.posttrain.lora import HF_TARGETS, LoRALinear, lora_layers
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"

@@ -5,14 +5,14 @@ import pytest
 import torch
 from torch import nn
 
+from minigpt.checkpoint.adapter import CONFIG_NAME, WEIGHTS_NAME, load_adapter, save_adapter
 from minigpt.checkpoint.convert import export_hf
 from minigpt.checkpoint.native import save_pretrained
 from minigpt.errors import MiniGPTError
 from minigpt.model.config import ModelConfig
+from minigpt.model.lora import HF_TARGETS, LoRALinear, apply_lora, lora_layers, merge_lora, trainable_parameters
 from minigpt.model.quant import Int8Linear, quantize_model
 from minigpt.model.transformer import Transformer
-from minigpt.posttrain.adapter import CONFIG_NAME, WEIGHTS_NAME, load_adapter, save_adapter
-from minigpt.posttrain.lora import HF_TARGETS, LoRALinear, apply_lora, lora_layers, merge_lora, trainable_parameters
 
 ALL = list(HF_TARGETS)
 

@@ -10,7 +10,7 @@ starts at zero, so the adapted model starts equal to the base (section 4.1 of th
 
 Targets are named at the boundary with Hugging Face's module names (``q_proj k_proj v_proj o_proj gate_proj
 up_proj down_proj``; :data:`HF_TARGETS` maps them to ours), so a ``--lora-targets`` list means the same thing here
-as in a PEFT ``LoraConfig``. The PEFT file format is :mod:`minigpt.posttrain.adapter`.
+as in a PEFT ``LoraConfig``. The PEFT file format is :mod:`minigpt.checkpoint.adapter`.
 """
 from __future__ import annotations
 
