@@ -30,9 +30,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from minigpt.checkpoint.atomic import atomic_dir
+from minigpt.checkpoint.native import load_model
 from minigpt.errors import MiniGPTError
 from minigpt.interop.hf import from_hf_key, to_hf_key
-from minigpt.model.lora import HF_TARGETS, LoRALinear, lora_layers
+from minigpt.model.lora import HF_TARGETS, LoRALinear, lora_layers, merge_lora
 from minigpt.model.quant import Int8Linear
 
 CONFIG_NAME = "adapter_config.json"
@@ -251,3 +252,17 @@ def _attach(model: nn.Module, hf_name: str, ab: dict[str, torch.Tensor], config:
     parent_name, child = name.rsplit(".", 1)
     setattr(model.get_submodule(parent_name), child, layer)
     return name
+
+
+def load_merged(source: str | Path, adapter: str | Path, device: str | torch.device = "cpu",
+                dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """The model at ``source`` (anything :func:`~minigpt.checkpoint.native.load_model` reads) with the PEFT adapter
+    folder ``adapter`` applied and merged (``W + B A * lora_alpha / r``), in eval mode: what ``generate``, ``chat``,
+    ``serve`` and ``lora merge`` run. Raises :class:`MiniGPTError` for an unreadable adapter or one made for another
+    base (shape mismatch)."""
+    model = load_model(source, device=device)
+    load_adapter(model, adapter)
+    merge_lora(model)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.to(dtype=dtype or torch.float32).eval()

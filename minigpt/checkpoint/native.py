@@ -38,19 +38,25 @@ def model_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     return sd
 
 
-def write_model_files(model: Transformer, directory: Path, tokenizer=None) -> None:
-    """Write ``config.json``, ``model.safetensors`` (and ``tokenizer.json``) into an existing ``directory``."""
+def write_model_files(model: Transformer, directory: Path, tokenizer=None, chat_template: Optional[str] = None
+                      ) -> None:
+    """Write ``config.json``, ``model.safetensors`` (and ``tokenizer.json``, ``chat_template.jinja``) into an
+    existing ``directory``."""
     config = {"format": FORMAT, **model.config.to_dict()}
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(model_state_dict(model), str(directory / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save(directory / "tokenizer.json")
+    if chat_template:
+        (directory / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
 
 
-def save_pretrained(model: Transformer, directory: str | Path, tokenizer=None) -> Path:
-    """Atomically write a model directory (see module docstring). Returns its path."""
+def save_pretrained(model: Transformer, directory: str | Path, tokenizer=None, chat_template: Optional[str] = None
+                    ) -> Path:
+    """Atomically write a model directory (see module docstring), with the Jinja ``chat_template`` when given.
+    Returns its path."""
     with atomic_dir(directory) as tmp:
-        write_model_files(model, tmp, tokenizer)
+        write_model_files(model, tmp, tokenizer, chat_template)
     return Path(directory)
 
 
@@ -87,9 +93,21 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
     raise MiniGPTError(f"{directory} has no weights: expected model.safetensors (or a sharded index)")
 
 
-def load_state_into(model: Transformer, sd: dict[str, torch.Tensor], source: str) -> None:
-    """Copy ``sd`` into ``model``, raising :class:`MiniGPTError` on missing/unexpected tensors or shape mismatch."""
-    expected = model_state_dict(model)
+def check_claims(config: ModelConfig, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Refuse a config that claims more layers or experts than ``tensors`` can hold, before anything is built
+    per layer: a header saying 2^31 layers must fail in a moment, not after building (or looping over) them all.
+    Each layer, and each expert of a layer, has at least one tensor of its own. Raises :class:`MiniGPTError`."""
+    blocks = config.n_layers
+    if blocks <= len(tensors) and config.n_experts:
+        blocks += config.n_experts * config.n_moe_layers
+    if blocks > len(tensors):
+        raise MiniGPTError(f"{source} does not match its config: {config.n_layers} layers and "
+                           f"{config.n_experts} experts need more tensors than the {len(tensors)} it holds")
+
+
+def check_shapes(expected: dict[str, torch.Tensor], sd: dict[str, torch.Tensor], source: str) -> None:
+    """Raise :class:`MiniGPTError` unless ``sd`` has exactly the names and shapes of ``expected`` (which may live
+    on the meta device: checking allocates nothing)."""
     missing = sorted(set(expected) - set(sd))
     unexpected = sorted(set(sd) - set(expected))
     if missing or unexpected:
@@ -101,6 +119,11 @@ def load_state_into(model: Transformer, sd: dict[str, torch.Tensor], source: str
             raise MiniGPTError(
                 f"{source}: tensor {k} has shape {tuple(v.shape)} but the config implies {tuple(expected[k].shape)}"
             )
+
+
+def load_state_into(model: Transformer, sd: dict[str, torch.Tensor], source: str) -> None:
+    """Copy ``sd`` into ``model``, raising :class:`MiniGPTError` on missing/unexpected tensors or shape mismatch."""
+    check_shapes(model_state_dict(model), sd, source)
     model.load_state_dict(sd, strict=False)  # strict=False only because the tied head is absent from sd
 
 
@@ -121,23 +144,26 @@ def load_config(directory: str | Path) -> ModelConfig:
 def read_source(source: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """``(config, state_dict in our names)`` of any model source :func:`load_model` accepts.
 
-    Raises :class:`MiniGPTError` for a missing or unreadable source.
+    Raises :class:`MiniGPTError` for a missing or unreadable source, or a config claiming more layers or experts
+    than the source has tensors (:func:`check_claims`).
     """
     source = Path(source)
     if source.is_file():
         if source.suffix == ".gguf":
-
             gf = read_gguf(source)
-            return gf.config, read_gguf_weights(gf)
-        if source.suffix == ".bin":
-
-            return read_llama2c(source)
-        raise MiniGPTError(f"{source}: unknown model file type; expected a directory, a .gguf or a llama2.c .bin")
+            config, tensors = gf.config, read_gguf_weights(gf)
+        elif source.suffix == ".bin":
+            config, tensors = read_llama2c(source)
+        else:
+            raise MiniGPTError(f"{source}: unknown model file type; expected a directory, a .gguf or a llama2.c .bin")
+        check_claims(config, tensors, str(source))
+        return config, tensors
     if not source.is_dir():
         raise MiniGPTError(f"checkpoint {source} does not exist")
     verify_manifest(source)
     config = load_config(source)
     tensors = read_weights(source)
+    check_claims(config, tensors, str(source))
     d = _read_json(source / "config.json")
     if hf.is_hf_dir(source) and d.get("format") != FORMAT:
         tensors = hf.state_dict_from_hf(tensors, config, hf.architecture(d))
@@ -165,6 +191,9 @@ def load_model(
         return load_quantized(config, tensors, str(source), device, dtype)
     with torch.device("meta"):
         model = Transformer(config)
+    # Checked while the model is still on the meta device: a header that claims a vocabulary or width its tensors
+    # do not have is refused here rather than sizing the allocation below.
+    check_shapes(model_state_dict(model), tensors, str(source))
     model = model.to_empty(device=device)
     model.init_rope(device)
     if config.tie_embeddings:

@@ -59,6 +59,34 @@ def _add_lora_and_loop_options(p) -> None:
     p.add_argument("--warmup-steps", dest="warmup_steps", type=int, help="default: 3%% of the steps")
 
 
+def cmd_lora_merge(args: argparse.Namespace) -> int:
+    """Merge a LoRA adapter (a PEFT folder: ours from `minigpt sft --lora-rank`, or one trained with PEFT) into its
+    base model and write a plain model directory whose logits equal the base with the adapter applied.
+
+    The tokenizer and chat template come from the adapter's folder when it has them (an SFT output's adapter/ sits
+    next to them), else from the base.
+    """
+    from pathlib import Path
+
+    from minigpt.checkpoint.adapter import load_merged
+    from minigpt.checkpoint.native import load_chat_template, load_tokenizer, resolve_checkpoint, save_pretrained
+    from minigpt.errors import MiniGPTError
+
+    base = resolve_checkpoint(args.base)
+    model = load_merged(base, args.adapter)
+    tokenizer, template = None, None
+    for where in (Path(args.adapter), Path(args.adapter).parent, base):
+        try:
+            tokenizer = load_tokenizer(where)
+            template = load_chat_template(where)
+            break
+        except MiniGPTError:
+            continue
+    path = save_pretrained(model, args.out_dir, tokenizer, template)
+    print(f"wrote {path}")
+    return 0
+
+
 def register(sub) -> None:
     """Add this module's commands to the ``minigpt`` sub-parsers ``sub``."""
     p = add_command(sub, "sft", cmd_sft)
@@ -102,3 +130,9 @@ def register(sub) -> None:
     p.add_argument("--device", help="auto, cpu, cuda, mps")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int)
+
+    lora = sub.add_parser("lora", help="LoRA adapter tools").add_subparsers(dest="lora_command", required=True)
+    p = add_command(lora, "merge", cmd_lora_merge)
+    p.add_argument("base", help="the base model: run dir, model dir, HF dir, .gguf or .bin")
+    p.add_argument("adapter", help="a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)")
+    p.add_argument("--out-dir", dest="out_dir", required=True, help="output model directory")

@@ -1,26 +1,24 @@
 """LoRA layers (Hu et al. 2021) and PEFT-format adapters: parity with ``peft`` in both directions, merging, errors."""
 import json
+from functools import partial
 
 import pytest
 import torch
+from conftest import assert_one_line_error, random_model, run_cli
 from torch import nn
 
 from minigpt.checkpoint.adapter import CONFIG_NAME, WEIGHTS_NAME, load_adapter, save_adapter
 from minigpt.checkpoint.convert import export_hf
 from minigpt.checkpoint.native import save_pretrained
 from minigpt.errors import MiniGPTError
-from minigpt.model.config import ModelConfig
 from minigpt.model.lora import HF_TARGETS, LoRALinear, apply_lora, lora_layers, merge_lora, trainable_parameters
 from minigpt.model.quant import Int8Linear, quantize_model
-from minigpt.model.transformer import Transformer
 
 ALL = list(HF_TARGETS)
 
 
-def tiny_model(seed=0, **kw) -> Transformer:
-    torch.manual_seed(seed)
-    cfg = dict(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48, max_seq_len=32)
-    return Transformer(ModelConfig(**{**cfg, **kw})).eval()
+SHAPE = dict(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48, max_seq_len=32)
+tiny_model = partial(random_model, SHAPE)
 
 
 def randomize_b(model, seed=1, std=0.05):
@@ -236,3 +234,25 @@ def test_adapters_follow_the_model_train_eval_mode(tmp_path):
         torch.testing.assert_close(fresh(x), model(x), atol=0, rtol=0)
     fresh.train()
     assert all(m.training for m in lora_layers(fresh).values())
+
+
+def test_lora_merge_cli_equals_the_unmerged_pair(tmp_path):
+    """`minigpt lora merge BASE ADAPTER --out-dir DIR` writes weights whose logits equal base + adapter; an adapter
+    made for another base is a one-line error and writes nothing."""
+    from minigpt.checkpoint.native import load_model
+
+    base = tiny_model()
+    save_pretrained(base, tmp_path / "base")
+    adapted = tiny_model()
+    apply_lora(adapted, 4, 8, targets=["q_proj", "v_proj", "down_proj"])
+    randomize_b(adapted)
+    save_adapter(adapted, tmp_path / "adapter")
+    proc = run_cli("lora", "merge", tmp_path / "base", tmp_path / "adapter", "--out-dir", tmp_path / "merged")
+    assert proc.returncode == 0, proc.stderr
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(tmp_path / "merged")(x), adapted(x), atol=1e-5, rtol=0)
+    save_pretrained(tiny_model(dim=48, hidden_dim=64), tmp_path / "other")
+    bad = run_cli("lora", "merge", tmp_path / "other", tmp_path / "adapter", "--out-dir", tmp_path / "bad")
+    assert_one_line_error(bad, "has shape")
+    assert not (tmp_path / "bad").exists()
