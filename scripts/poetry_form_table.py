@@ -21,19 +21,19 @@ from minigpt.data.poetry import check_form
 from minigpt.errors import MiniGPTError
 from minigpt.infer.generate import generate_tokens
 from minigpt.infer.sampling import SamplingParams
-from minigpt.serve.chat import ChatFormatter
-from minigpt.tokenizer.chat_template import IM_END
+from minigpt.infer.stops import default_stop_ids
+from minigpt.tokenizer.chat_template import ChatTemplate
 
 
 def answer_all(source: str, prompts: list[dict], max_new_tokens: int) -> list[str]:
     """Greedy answers of the model at ``source`` to every prompt's ``messages``."""
     ckpt = resolve_checkpoint(source)
     model, tokenizer = load_model(ckpt), load_tokenizer(ckpt)
-    formatter = ChatFormatter(tokenizer, load_chat_template(ckpt))
-    stop_ids = [i for i in (tokenizer.eos_id, tokenizer.bos_id, tokenizer.token_to_id(IM_END)) if i is not None]
+    formatter = ChatTemplate.for_model(tokenizer, load_chat_template(ckpt))
+    stop_ids = default_stop_ids(tokenizer, formatter)
     answers = []
     for p in prompts:
-        ids = formatter.encode(p["messages"])
+        ids = formatter.prompt(p["messages"])
         budget = min(max_new_tokens, model.config.max_seq_len - len(ids))
         text = tokenizer.decode(list(generate_tokens(model, ids, SamplingParams(max_tokens=max(budget, 1), temperature=0.0), stop_ids=stop_ids)))
         for stop in formatter.stop:  # the plain template's implicit end of turn

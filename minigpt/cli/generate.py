@@ -18,6 +18,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     per line) are generated together in one left-padded batch, each row stopping on its own; their completions are
     printed in order, separated by blank lines (--jsonl: one JSON object per prompt).
 
+    Prompts are tokenized as the model's own tokenizer does: special-token text in them (<|im_start|>, <s>) becomes
+    its id (--no-special: plain text), and BOS comes first when the tokenizer adds it (--bos: always). --chat
+    QUESTION (with an optional --system message) renders one user turn with the model's chat template and prints
+    only the answer. Generation stops on every end-of-generation id the model's files name (and, with --chat, the
+    template's end-of-turn token such as <|im_end|> or <|eot_id|>).
+
     Speed: the fast path (fused projections; --no-fast turns it off) runs by default; --compile compiles the
     single-token step (compile time is printed with --stats); --quantize int8 quantizes the weights at load time
     (a directory written by `minigpt quantize` is already quantized); --draft CKPT decodes speculatively with a
@@ -28,43 +34,53 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     import torch
 
-    from minigpt.checkpoint.native import load_tokenizer, resolve_checkpoint
+    from minigpt.checkpoint.native import load_chat_template, load_tokenizer, resolve_checkpoint
     from minigpt.infer.fastpath import load_for_inference
     from minigpt.infer.generate import generate_batch, generate_tokens
     from minigpt.infer.sampling import SamplingParams, check_length
     from minigpt.infer.stops import StopChecker, default_stop_ids
     from minigpt.runtime import DTYPES, pick_device
+    from minigpt.serve.chat import encode_prompt, prompt_bos
+    from minigpt.tokenizer.chat_template import ChatTemplate
 
+    _check_prompt_flags(args)
     ckpt = resolve_checkpoint(args.ckpt)
     device = pick_device(args.device)
     options = dict(device=device, dtype=DTYPES[args.dtype], quantize=args.quantize, compile=args.compile,
                    compile_mode=args.compile_mode, fast=not args.no_fast)
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, stop=tuple(args.stop or ()), seed=args.seed)
-    model = load_for_inference(ckpt, **options)
+    model = load_for_inference(ckpt, adapter=args.adapter, **options)
     tokenizer = load_tokenizer(ckpt)
-    prompts = _read_prompts(args)
-
-    def encode(text: str) -> list[int]:
-        ids = tokenizer.encode(text)
-        if tokenizer.bos_id is not None and (args.bos or not ids):
-            ids = [tokenizer.bos_id] + ids
+    chat = None
+    if args.chat is not None:
+        chat = ChatTemplate.for_model(tokenizer, load_chat_template(ckpt))
+        messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + [
+            {"role": "user", "content": args.chat}]
+        prompts = [chat.render(messages, add_generation_prompt=True)]  # what --echo shows
+        encoded = [chat.prompt(messages)]
+        if args.bos and tokenizer.bos_id is not None and encoded[0][:1] != [tokenizer.bos_id]:
+            encoded[0].insert(0, tokenizer.bos_id)
+        params = params.replace(stop=params.stop + chat.stop)
+    else:
+        prompts = _read_prompts(args)
+        bos = args.bos or prompt_bos(ckpt, tokenizer)
+        encoded = [encode_prompt(tokenizer, p, bos=bos, special=not args.no_special) for p in prompts]
+    if len(prompts) > 1 and args.draft:
+        raise MiniGPTError("--draft decodes one prompt at a time; give a single prompt")
+    for ids in encoded:
         # Checked here too, to name the flags (and before --echo prints the prompt).
         check_length(len(ids), args.max_new_tokens, model.config.max_seq_len, truncate=args.truncate_prompt,
                      name="max_new_tokens",
                      hint="shorten the prompt, lower --max-new-tokens, or pass --truncate-prompt")
-        return ids
-
-    stop_ids = default_stop_ids(tokenizer)
+    stop_ids = default_stop_ids(tokenizer, chat)
     if args.seed is not None:
         torch.manual_seed(args.seed)
     out = sys.stdout
     t0 = time.perf_counter()
     n_tokens, extra = 0, ""
     if len(prompts) > 1:
-        if args.draft:
-            raise MiniGPTError("--draft decodes one prompt at a time; give a single prompt")
-        results = generate_batch(model, [encode(p) for p in prompts], params, stop_ids=stop_ids, tokenizer=tokenizer,
+        results = generate_batch(model, encoded, params, stop_ids=stop_ids, tokenizer=tokenizer,
                                  truncate=args.truncate_prompt)
         for i, (prompt, r) in enumerate(zip(prompts, results)):
             n_tokens += len(r.tokens)
@@ -75,7 +91,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 out.write(("\n" if i else "") + (prompt if args.echo else "") + r.text + "\n")
         out.flush()
     else:
-        ids = encode(prompts[0])
+        ids = encoded[0]
         if args.draft:
             from minigpt.infer.speculative import SpeculativeStats, speculative_tokens
 
@@ -109,6 +125,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_prompt_flags(args: argparse.Namespace) -> None:
+    """One-line errors for prompt flags that do not go together."""
+    if args.chat is None:
+        if args.system is not None:
+            raise MiniGPTError("--system is the system message of a --chat question; give --chat too")
+        return
+    if args.prompt or args.prompt_file or args.batch:
+        raise MiniGPTError("--chat is the prompt: leave out --prompt, --prompt-file and --batch")
+    if args.no_special:
+        raise MiniGPTError("--no-special applies to --prompt text; a chat template's special tokens are always ids")
+
+
 def _read_prompts(args: argparse.Namespace) -> list[str]:
     """The prompts of `generate`: every --prompt, else the --prompt-file (one prompt per line with --batch), else
     stdin (likewise), else the empty prompt."""
@@ -137,6 +165,12 @@ def register(sub) -> None:
     p.add_argument("ckpt", help="run dir, checkpoint dir, or Hugging Face Llama dir")
     p.add_argument("--prompt", action="append", help="a prompt; repeat it to generate several prompts as a batch")
     p.add_argument("--prompt-file", dest="prompt_file")
+    p.add_argument("--chat", metavar="QUESTION",
+                   help="ask QUESTION as a user message, rendered with the model's chat template (a plain "
+                   "'User: ... / Assistant:' one without); prints only the answer")
+    p.add_argument("--system", help="a system message before the --chat question")
+    p.add_argument("--no-special", dest="no_special", action="store_true",
+                   help="encode special-token text in the prompt (e.g. <|im_start|>) as ordinary text, not as ids")
     p.add_argument("--batch", action="store_true",
                    help="each non-empty line of --prompt-file (or stdin) is its own prompt; all run in one batch")
     p.add_argument("--jsonl", action="store_true", help="batch output as JSON lines (prompt, completion, ...)")
@@ -148,7 +182,8 @@ def register(sub) -> None:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--bos", action="store_true", help="prepend the BOS token to the prompt")
+    p.add_argument("--bos", action="store_true",
+                   help="prepend the BOS token to the prompt (default: when the model's tokenizer adds it)")
     p.add_argument("--echo", action="store_true", help="print the prompt before the generated text")
     p.add_argument("--truncate-prompt", dest="truncate_prompt", action="store_true",
                    help="drop the oldest prompt tokens instead of failing when the context is too short")
@@ -160,4 +195,5 @@ def register(sub) -> None:
     p.add_argument("--quantize", choices=["int8"], help="int8 weight-only quantization at load time")
     p.add_argument("--draft", metavar="CKPT", help="speculative decoding with this draft model (same tokenizer)")
     p.add_argument("--draft-k", dest="draft_k", type=int, default=4, help="draft tokens per round (default 4)")
+    p.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter folder, merged into the weights at load")
     p.add_argument("--stats", action="store_true", help="print tokens/s (and compile time, acceptance) to stderr")

@@ -9,18 +9,27 @@ from __future__ import annotations
 
 from typing import Iterable, Optional, Sequence
 
+from minigpt.tokenizer.chat_template import ChatTemplate
 from minigpt.tokenizer.tokenizer import StreamDecoder, Tokenizer
 
 
-def default_stop_ids(tokenizer: Optional[Tokenizer]) -> list[int]:
-    """The ids that end a generation by default: the tokenizer's EOS, and BOS when it differs (llama2.c-style
-    models start each new story with BOS). Empty without a tokenizer."""
-    ids: list[int] = []
-    if tokenizer is not None and tokenizer.eos_id is not None:
-        ids.append(tokenizer.eos_id)
-    if tokenizer is not None and tokenizer.bos_id is not None and tokenizer.bos_id not in ids:
-        ids.append(tokenizer.bos_id)
-    return ids
+def default_stop_ids(tokenizer: Optional[Tokenizer], chat: Optional[ChatTemplate] = None) -> list[int]:
+    """The ids that end a generation by default, in order: every id of ``tokenizer.stop_ids`` (EOS, the
+    ``eos_token_id`` list of generation_config.json, a GGUF's end-of-turn / end-of-message ids; see
+    :attr:`~minigpt.tokenizer.tokenizer.Tokenizer.stop_ids`), EOS if missing there, BOS when it differs
+    (llama2.c-style models start each new story with BOS), and with a ``chat`` template its end-of-turn token
+    (:attr:`~minigpt.tokenizer.chat_template.ChatTemplate.end_of_turn_id`: ``<|im_end|>``, ``<|eot_id|>``), which
+    a base model's files may not list. Empty without a tokenizer.
+
+    Transformers' ``generate`` stops on the generation config's EOS list and llama.cpp on every end-of-generation
+    token; this is their union, as the model's own files state it."""
+    if tokenizer is None:
+        return []
+    # getattr: duck-typed tokenizers (tests, adapters) may only have eos_id / bos_id.
+    ids = [int(i) for i in getattr(tokenizer, "stop_ids", ())]
+    extra = (tokenizer.eos_id, tokenizer.bos_id, chat.end_of_turn_id if chat is not None else None)
+    ids += [i for i in extra if i is not None]
+    return list(dict.fromkeys(ids))
 
 
 def held_back(text: str, stops: Sequence[str]) -> int:

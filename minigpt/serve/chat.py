@@ -1,99 +1,58 @@
-"""``minigpt chat``: an interactive terminal chat with a model, in-process (no server), streaming its answers.
+"""``minigpt chat``: an interactive terminal chat with a model, in-process (no server), streaming its answers; and
+how prompts become token ids for every generating command.
 
-Each turn renders the whole conversation with the model's chat template (or :data:`DEFAULT_CHAT_TEMPLATE`) and
-generates through a one-slot :class:`~minigpt.infer.engine.Engine`. When the conversation no longer fits the
-context, the oldest turns (after a system message) are dropped, and the user is told. Commands: ``/reset`` forgets
-the conversation, ``/quit`` (or end of input) leaves; Ctrl-C stops the current answer.
+Each turn renders the whole conversation with the model's chat template (:meth:`ChatTemplate.for_model
+<minigpt.tokenizer.chat_template.ChatTemplate.for_model>`: the model's own, else the plain ``User: ... /
+Assistant:`` one) and generates through a one-slot :class:`~minigpt.infer.engine.Engine`, stopping on the
+tokenizer's stop ids and the template's end-of-turn token. When the conversation no longer fits the context, the
+oldest turns (after a system message) are dropped, and the user is told. Commands: ``/reset`` forgets the
+conversation, ``/quit`` (or end of input) leaves; Ctrl-C stops the current answer.
 
-:class:`ChatFormatter` (messages -> prompt ids) is shared with ``minigpt serve``.
+:func:`encode_prompt` and :func:`prompt_bos` (a plain-text prompt -> ids) are shared with ``minigpt generate`` and
+the server's ``/v1/completions``.
 """
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Optional, TextIO
 
+from minigpt.checkpoint.adapter import load_merged
 from minigpt.checkpoint.native import load_chat_template, load_model, load_tokenizer, resolve_checkpoint
-from minigpt.errors import MiniGPTError
+from minigpt.checkpoint.tokenizer_bos import adds_bos
 from minigpt.infer.engine import Engine
 from minigpt.infer.sampling import InvalidRequest, SamplingParams, check_length
+from minigpt.infer.stops import default_stop_ids
 from minigpt.runtime import DTYPES, pick_device
+from minigpt.tokenizer.chat_template import ChatTemplate, TemplateRejected
 from minigpt.tokenizer.tokenizer import Tokenizer
 
-# Used when the model ships no chat template: one "Role: content" line per message, then "Assistant:". The model
-# is told where its turn ends by an implicit stop string DEFAULT_CHAT_STOP (a base model trained on plain text
-# would otherwise go on writing the user's next line).
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m.role | capitalize }}: {{ m.content }}\n{% endfor %}"
-    "{% if add_generation_prompt %}Assistant:{% endif %}"
-)
-DEFAULT_CHAT_STOP = "\nUser:"
+
+def prompt_bos(source: str | Path, tokenizer: Tokenizer) -> bool:
+    """Whether a plain-text prompt to the model at ``source`` starts with BOS, as its own tokenizer would encode it
+    (``transformers``' ``tokenizer(text)``, llama.cpp): a GGUF's ``tokenizer.ggml.add_bos_token``; otherwise
+    :func:`~minigpt.checkpoint.tokenizer_bos.adds_bos` (the ``tokenizer.json`` post-processor, ``add_bos_token``,
+    Llama's SentencePiece default; MiniGPT's own byte-level BPE: no)."""
+    if tokenizer.bos_id is None:
+        return False
+    if Path(source).suffix == ".gguf":
+        return bool(tokenizer.add_bos)
+    return adds_bos(source, tokenizer)
 
 
-class TemplateRejected(MiniGPTError):
-    """The chat template raised on these messages (e.g. roles that do not alternate)."""
+def encode_prompt(tokenizer: Tokenizer, text: str, bos: bool = False, special: bool = True) -> list[int]:
+    """Token ids of a plain-text prompt.
 
-
-class ChatFormatter:
-    """Renders messages into prompt token ids with a Jinja chat template (Hugging Face's convention: variables
-    ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``; ``raise_exception(msg)``) in a sandbox.
-
-    With a model's own template, special-token strings in the rendered text (the tokenizer's BOS/EOS/pad) are
-    encoded as their ids, because our :class:`Tokenizer` encodes such text literally; the messages' own text goes
-    through the same split, as with ``transformers``' ``apply_chat_template``. The default template emits no special
-    tokens, so with it everything is encoded as text and a user cannot inject an end-of-text token.
+    ``special``: special-token text written in the prompt (``<|im_start|>``, ``<|endoftext|>``) becomes its id,
+    as ``transformers`` tokenizes by default (``split_special_tokens=False``); False encodes it as ordinary text.
+    ``bos``: start with the tokenizer's BOS (never twice: not when the text already begins with it). An empty prompt
+    gets BOS regardless, so that there is something to condition on. No BOS exists: nothing is prepended.
     """
-
-    def __init__(self, tokenizer: Tokenizer, template: Optional[str] = None) -> None:
-        from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        self.tokenizer = tokenizer
-        self.is_default = not template
-        self.source = template or DEFAULT_CHAT_TEMPLATE
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(message):
-            raise TemplateError(message)
-
-        env.globals["raise_exception"] = raise_exception
-        self._template = env.from_string(self.source)
-        self._specials: dict[str, int] = {}
-        for i in (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) if template else ():
-            if i is not None:
-                text = tokenizer.decode([i])
-                if text and text.strip():
-                    self._specials[text] = i
-        self.stop: tuple[str, ...] = (DEFAULT_CHAT_STOP,) if self.is_default else ()
-
-    def _token_text(self, i: Optional[int]) -> str:
-        return self.tokenizer.decode([i]) if i is not None else ""
-
-    def render(self, messages: list[dict[str, str]]) -> str:
-        from jinja2 import TemplateError
-
-        try:
-            return self._template.render(messages=messages, add_generation_prompt=True,
-                                         bos_token=self._token_text(self.tokenizer.bos_id),
-                                         eos_token=self._token_text(self.tokenizer.eos_id))
-        except TemplateError as e:
-            raise TemplateRejected(f"the chat template rejected the messages: {e}") from None
-
-    def encode(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.render(messages)
-        ids: list[int] = []
-        pos = 0
-        while pos < len(text):
-            hits = [(text.find(s, pos), s) for s in self._specials]
-            hits = [(i, s) for i, s in hits if i >= 0]
-            if not hits:
-                ids += self.tokenizer.encode(text[pos:])
-                break
-            i, s = min(hits)
-            if i > pos:
-                ids += self.tokenizer.encode(text[pos:i])
-            ids.append(self._specials[s])
-            pos = i + len(s)
-        return ids
+    ids = tokenizer.encode(text, special=special)
+    bos_id = tokenizer.bos_id
+    if bos_id is not None and (bos or not ids) and ids[:1] != [bos_id]:
+        ids.insert(0, bos_id)
+    return ids
 
 
 def _room(ids: list[int], context: int) -> Optional[int]:
@@ -106,19 +65,24 @@ def _room(ids: list[int], context: int) -> Optional[int]:
 
 def run_chat(source: str, max_tokens: int = 256, temperature: float = 0.8, top_k: Optional[int] = None,
              top_p: Optional[float] = None, seed: Optional[int] = None, system: Optional[str] = None,
-             device: str = "auto", dtype: str = "float32", stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout
-             ) -> int:
+             device: str = "auto", dtype: str = "float32", stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout,
+             adapter: Optional[str] = None, context: Optional[int] = None) -> int:
     """Run the chat loop on ``stdin``/``stdout`` until ``/quit`` or end of input; returns the exit status 0.
 
     ``seed``: turn ``i`` (from 0) samples with seed ``seed + i``, so a replayed conversation answers the same.
-    Raises :class:`~minigpt.errors.MiniGPTError` for an unreadable checkpoint.
+    ``adapter``: a PEFT LoRA folder merged into the weights at load. Raises :class:`~minigpt.errors.MiniGPTError`
+    for an unreadable checkpoint or an adapter made for another base.
     """
     ckpt = resolve_checkpoint(source)
-    model = load_model(ckpt, device=pick_device(device), dtype=DTYPES[dtype])
+    if adapter is not None:
+        model = load_merged(ckpt, adapter, device=pick_device(device), dtype=DTYPES[dtype])
+    else:
+        model = load_model(ckpt, device=pick_device(device), dtype=DTYPES[dtype])
     tokenizer = load_tokenizer(ckpt)
-    formatter = ChatFormatter(tokenizer, load_chat_template(ckpt))
-    engine = Engine(model, tokenizer, max_batch_size=1).start()
-    context = model.config.max_seq_len
+    chat = ChatTemplate.for_model(tokenizer, load_chat_template(ckpt))
+    engine = Engine(model, tokenizer, max_batch_size=1, stop_ids=default_stop_ids(tokenizer, chat),
+                    context=context).start()
+    context = engine.max_seq_len  # --context, else the model's (within half the free memory)
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)
     interactive = stdin.isatty()
@@ -147,12 +111,17 @@ def run_chat(source: str, max_tokens: int = 256, temperature: float = 0.8, top_k
                 continue
             history.append({"role": "user", "content": text})
             # Keep room to answer (at least one token); drop whole user/assistant turns from the oldest.
-            ids = formatter.encode(history)
-            room, dropped = _room(ids, context), False
-            while room is None and len(history) > len(base) + 1:
-                del history[len(base):len(base) + 2]
-                ids = formatter.encode(history)
-                room, dropped = _room(ids, context), True
+            try:
+                ids = chat.prompt(history)
+                room, dropped = _room(ids, context), False
+                while room is None and len(history) > len(base) + 1:
+                    del history[len(base):len(base) + 2]
+                    ids = chat.prompt(history)
+                    room, dropped = _room(ids, context), True
+            except TemplateRejected as e:
+                history.pop()
+                out.write(f"({e})\n")
+                continue
             if room is None:
                 history.pop()
                 out.write(f"(that message alone is {len(ids)} tokens; the context is {context})\n")
@@ -160,7 +129,7 @@ def run_chat(source: str, max_tokens: int = 256, temperature: float = 0.8, top_k
             if dropped:
                 out.write("(older turns were dropped to fit the context)\n")
             params = SamplingParams(max_tokens=min(max_tokens, room), temperature=temperature, top_k=top_k,
-                                    top_p=top_p, stop=formatter.stop, seed=None if seed is None else seed + turn)
+                                    top_p=top_p, stop=chat.stop, seed=None if seed is None else seed + turn)
             turn += 1
             out.write("assistant> ")
             out.flush()

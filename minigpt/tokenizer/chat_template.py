@@ -15,13 +15,21 @@ the generation prompt of the turns before it (the template must then be prefix-s
 :data:`CHATML_TEMPLATE` is ChatML (OpenAI's Chat Markup Language, used by Qwen): ``<|im_start|>ROLE\\nCONTENT<|im_end|>\\n``
 per message. :data:`CHATML_TRAINING_TEMPLATE` renders the same text with generation blocks around each assistant
 turn's ``CONTENT<|im_end|>``; models are saved with the plain one, which every Jinja consumer understands.
+:data:`PLAIN_TEMPLATE` is the fallback for a model that ships no template (``Role: content`` lines, then
+``Assistant:``), with the stop string :data:`PLAIN_STOP`.
+
+At inference (``minigpt chat``, ``minigpt generate --chat``, the server's chat endpoint) a
+:meth:`ChatTemplate.for_model` renders the conversation with ``add_generation_prompt=True``; generation ends on the
+tokenizer's stop ids plus the template's end-of-turn token (:attr:`ChatTemplate.end_of_turn_id`, e.g.
+``<|im_end|>`` or ``<|eot_id|>``) and on the strings of :attr:`ChatTemplate.stop`.
 """
 from __future__ import annotations
 
 import json
 import tempfile
+from datetime import datetime
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from minigpt.errors import MiniGPTError
 from minigpt.tokenizer.interop import build_tokenizer, vocab_from_file
@@ -48,8 +56,23 @@ CHATML_TRAINING_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# Used when the model ships no chat template: one "Role: content" line per message, then "Assistant:". A base model
+# trained on plain text would go on writing the user's next line, so its turn ends at the stop string PLAIN_STOP.
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}{{ m.role | capitalize }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+PLAIN_STOP = "\nUser:"
+
 # Private-use characters that mark generation blocks in the rendered text; removed before tokenizing.
 _OPEN, _CLOSE = "\uf8f0", "\uf8f1"
+# An assistant reply whose rendering shows what the template writes right after a turn (its end-of-turn token).
+_PROBE = "minigptEndOfTurnProbe"
+
+
+class TemplateRejected(MiniGPTError):
+    """The chat template refused these messages (its ``raise_exception``, e.g. roles that do not alternate), or a
+    message holds the characters that mark generation blocks: the caller's input, not the model, is at fault."""
 
 
 def _environment():
@@ -78,10 +101,14 @@ def _environment():
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
+    def strftime_now(format):  # Llama 3.x templates print today's date in the system header
+        return datetime.now().strftime(format)
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[GenerationMarks, loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
     return env
 
 
@@ -122,11 +149,16 @@ def add_special_tokens(tokenizer: Tokenizer, tokens=CHAT_TOKENS) -> tuple[Tokeni
 class ChatTemplate:
     """A compiled chat template bound to a tokenizer: :meth:`render`, :meth:`encode` and :meth:`encode_with_mask`.
 
-    Raises :class:`MiniGPTError` for a template that does not compile, rejects the messages (its
-    ``raise_exception``), or (without generation blocks) is not prefix-stable.
+    ``template``: the Jinja source (None: ChatML, the post-training default; :meth:`for_model` picks a model's own
+    template or the plain fallback). ``stop``: strings that end an assistant turn besides its end-of-turn token.
+    ``end_of_turn_id``: the special token the template closes an assistant turn with, or None.
+
+    Raises :class:`MiniGPTError` for a template that does not compile, :class:`TemplateRejected` when it rejects the
+    messages (its ``raise_exception``), and :class:`MiniGPTError` when (without generation blocks) it is not
+    prefix-stable.
     """
 
-    def __init__(self, tokenizer: Tokenizer, template: Optional[str] = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, template: Optional[str] = None, stop: Sequence[str] = ()) -> None:
         from jinja2 import TemplateSyntaxError
 
         self.tokenizer = tokenizer
@@ -137,7 +169,48 @@ class ChatTemplate:
             raise MiniGPTError(f"the chat template does not compile: {e} (line {e.lineno})") from None
         self._hf = tokenizers_backend(tokenizer)
         self._variables = {f"{name}_token": self._token_text(getattr(tokenizer, f"{name}_id"))
-                           for name in ("bos", "eos", "pad")}
+                           for name in ("bos", "eos", "pad", "unk")}
+        self._stop = tuple(stop)
+        # Found once here, so that threads sharing the template (the server's) only ever read it.
+        self.end_of_turn_id: Optional[int] = self._find_end_of_turn()
+
+    @classmethod
+    def for_model(cls, tokenizer: Tokenizer, template: Optional[str]) -> "ChatTemplate":
+        """The template to chat with a model: its own ``template`` (``load_chat_template``), or for a model without
+        one :data:`PLAIN_TEMPLATE` with the stop string :data:`PLAIN_STOP`."""
+        return cls(tokenizer, template) if template else cls(tokenizer, PLAIN_TEMPLATE, stop=(PLAIN_STOP,))
+
+    def _find_end_of_turn(self) -> Optional[int]:
+        """:attr:`end_of_turn_id`: the special token the template writes right after an assistant's reply
+        (``<|im_end|>`` for ChatML, ``<|eot_id|>`` for Llama 3, ``</s>`` for Mistral), or None when it writes none
+        (the plain template) or rejects a plain user/assistant exchange. Found by rendering such an exchange, so it holds for any template;
+        only the tokenizer's special tokens (added tokens marked special) count."""
+        try:
+            text = self.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE}])
+        except Exception:  # a template that cannot render this exchange just has no known end-of-turn token
+            return None
+        at = text.rfind(_PROBE)
+        if at < 0:
+            return None
+        after = text[at + len(_PROBE):]
+        specials = self.tokenizer.special_tokens
+        for spelling in sorted(specials, key=len, reverse=True):  # longest first: "<|im_end|>" before "<|im"
+            if spelling and after.startswith(spelling):
+                return specials[spelling]
+        return None
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        """Stop strings of an assistant turn: the ``stop`` given (the plain template's ``"\\nUser:"``) and the
+        spelling of :attr:`end_of_turn_id`, so that a consumer that can only stop on text (the server, whose
+        stop ids are shared by all requests) still ends the turn there."""
+        eot = self.end_of_turn_id
+        return self._stop + ((self.tokenizer.id_to_token(eot),) if eot is not None else ())
+
+    def prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids that ask the model for the next assistant turn: ``encode(messages, add_generation_prompt=True)``
+        (the template writes any BOS itself, as ``apply_chat_template`` relies on)."""
+        return self.encode(messages, add_generation_prompt=True)
 
     def _token_text(self, i: Optional[int]) -> str:
         return self.tokenizer.decode([i]) if i is not None else ""
@@ -147,13 +220,13 @@ class ChatTemplate:
 
         for m in messages:
             if any(c in str(m.get("content", "")) for c in (_OPEN, _CLOSE)):
-                raise MiniGPTError("a message contains the private-use characters U+F8F0/U+F8F1, which mark "
+                raise TemplateRejected("a message contains the private-use characters U+F8F0/U+F8F1, which mark "
                                    "generation blocks")
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          **self._variables)
         except TemplateError as e:
-            raise MiniGPTError(f"the chat template rejected the messages: {e}") from None
+            raise TemplateRejected(f"the chat template rejected the messages: {e}") from None
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
         """The template's text for ``messages`` (``add_generation_prompt``: end with the assistant header)."""

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minigpt.checkpoint.adapter import load_merged
 from minigpt.checkpoint.native import load_model
 from minigpt.infer.fastpath.kernels import ACT_DTYPE, LayerWeights, fuse_projections, int8_words, module_proj
 from minigpt.infer.fastpath.step import Geometry, compile_step
@@ -332,11 +333,16 @@ def prepare(model: Transformer, dtype: Optional[torch.dtype] = None, quantize: O
 
 def load_for_inference(source, device: torch.device | str = "cpu", dtype: Optional[torch.dtype] = None,
                        quantize: Optional[str] = None, compile: bool = False, compile_mode: Optional[str] = None,
-                       fast: bool = True):
+                       fast: bool = True, adapter=None):
     """Load any model source (:func:`minigpt.checkpoint.native.load_model`) ready to generate: a :class:`FastPath`
     (``fast``) or the plain :class:`Transformer` (``fast=False``; ``compile`` then does not apply, ``quantize``
-    still does). Raises :class:`~minigpt.errors.MiniGPTError` for unreadable sources."""
-    model = load_model(source, device=device, dtype=dtype)
+    still does). ``adapter``: a PEFT LoRA folder merged into the weights first
+    (:func:`minigpt.checkpoint.adapter.load_merged`). Raises :class:`~minigpt.errors.MiniGPTError` for unreadable
+    sources or an adapter made for another base."""
+    if adapter is not None:
+        model = load_merged(source, adapter, device=device, dtype=dtype)
+    else:
+        model = load_model(source, device=device, dtype=dtype)
     if not fast:
         if quantize == "int8" and not is_quantized(model):
             quantize_model(model)
