@@ -68,11 +68,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         encoded = [encode_prompt(tokenizer, p, bos=bos, special=not args.no_special) for p in prompts]
     if len(prompts) > 1 and args.draft:
         raise MiniGPTError("--draft decodes one prompt at a time; give a single prompt")
-    for ids in encoded:
+    context = model.config.max_seq_len
+    if args.context is not None:  # caps prompt + new tokens, hence the KV cache (sized to them)
+        if not 2 <= args.context <= context:
+            raise MiniGPTError(f"--context must be between 2 and the model's context of {context}, got {args.context}")
+        context = args.context
+    for i, ids in enumerate(encoded):
         # Checked here too, to name the flags (and before --echo prints the prompt).
-        check_length(len(ids), args.max_new_tokens, model.config.max_seq_len, truncate=args.truncate_prompt,
-                     name="max_new_tokens",
-                     hint="shorten the prompt, lower --max-new-tokens, or pass --truncate-prompt")
+        drop, _ = check_length(len(ids), args.max_new_tokens, context, truncate=args.truncate_prompt,
+                               name="max_new_tokens",
+                               hint="shorten the prompt, lower --max-new-tokens, or pass --truncate-prompt")
+        encoded[i] = ids[drop:]
     stop_ids = default_stop_ids(tokenizer, chat)
     if args.seed is not None:
         torch.manual_seed(args.seed)
@@ -187,6 +193,8 @@ def register(sub) -> None:
     p.add_argument("--echo", action="store_true", help="print the prompt before the generated text")
     p.add_argument("--truncate-prompt", dest="truncate_prompt", action="store_true",
                    help="drop the oldest prompt tokens instead of failing when the context is too short")
+    p.add_argument("--context", type=int, default=None,
+                   help="tokens of context (prompt + new tokens, and so the KV cache), at most the model's")
     p.add_argument("--no-fast", dest="no_fast", action="store_true",
                    help="run the model's own forward instead of the fused fast path")
     p.add_argument("--compile", action="store_true", help="torch.compile the single-token decode step")

@@ -17,11 +17,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     POST /v1/chat/completions (streaming with "stream": true), GET /v1/models, /health, /metrics (Prometheus) and
     a chat page at /. With --api-key (or MINIGPT_API_KEY) every /v1/* request needs "Authorization: Bearer KEY".
     Up to --max-batch-size requests decode together (one KV-cache slot each) while their prompt + max_tokens stay
-    within --max-batch-tokens; up to --max-queue more wait (429 beyond). SIGTERM finishes running requests (for up
-    to --shutdown-timeout seconds), cancels the rest and exits 0.
+    within --max-batch-tokens; up to --max-queue more wait (429 beyond). Each slot holds --context tokens (default:
+    the model's context, capped so that the KV cache takes at most half the free memory; printed at start-up).
+    Request bodies above --max-body-bytes get 413, bodies not sent as application/json 415 (docs/security.md lists
+    every limit). SIGTERM finishes running requests (for up to --shutdown-timeout seconds), cancels the rest (their
+    streams end with an error event) and exits 0.
     """
     import torch
 
+    from minigpt.runtime import parse_size
     from minigpt.serve.app import serve
 
     if args.threads:
@@ -37,11 +41,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for name in ("max_batch_size", "max_queue"):
         if getattr(args, name) < (1 if name == "max_batch_size" else 0):
             raise MiniGPTError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    _check_context(args.context)
+    max_body_bytes = parse_size(args.max_body_bytes, "--max-body-bytes", minimum=1024)
     return serve(args.ckpt, host=args.host, port=args.port, api_key=api_key, model_name=args.model_name,
                  max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
                  max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens,
                  request_timeout=args.request_timeout or None, shutdown_timeout=args.shutdown_timeout,
-                 device=args.device, dtype=args.dtype, log_level=args.log_level)
+                 device=args.device, dtype=args.dtype, log_level=args.log_level, context=args.context,
+                 max_body_bytes=max_body_bytes)
+
+
+def _check_context(context) -> None:
+    """--context is checked before the model loads (the engine checks it against the model before allocating)."""
+    if context is not None and context < 2:
+        raise MiniGPTError(f"--context must be at least 2 tokens, got {context}")
 
 
 def _is_loopback(host: str) -> bool:
@@ -66,8 +79,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    _check_context(args.context)
     return run_chat(args.ckpt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, seed=args.seed, system=args.system, device=args.device, dtype=args.dtype)
+                    top_p=args.top_p, seed=args.seed, system=args.system, device=args.device, dtype=args.dtype,
+                    adapter=args.adapter, context=args.context)
 
 
 def register(sub) -> None:
@@ -93,6 +108,11 @@ def register(sub) -> None:
                    help="seconds a request may take, queue included (0: no limit; default 600)")
     p.add_argument("--shutdown-timeout", dest="shutdown_timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for running requests before cancelling them (default 30)")
+    p.add_argument("--context", type=int, default=None,
+                   help="tokens per KV-cache slot, at most the model's context (default: the model's, capped so "
+                   "the cache takes at most half the free memory)")
+    p.add_argument("--max-body-bytes", dest="max_body_bytes", default="4MiB",
+                   help="largest request body; larger ones get 413 (default 4MiB)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, help="torch intra-op threads of the model worker")
@@ -106,6 +126,10 @@ def register(sub) -> None:
     p.add_argument("--top-k", dest="top_k", type=int, default=None)
     p.add_argument("--top-p", dest="top_p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None, help="turn i samples with seed + i")
+    p.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter folder, merged into the weights at load")
+    p.add_argument("--context", type=int, default=None,
+                   help="tokens of KV cache, at most the model's context (default: the model's, within half the "
+                   "free memory); older turns are dropped to fit")
     p.add_argument("--system", help="a system message opening the conversation")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -39,7 +39,7 @@ from minigpt.infer.fastpath import FastPath
 from minigpt.infer.generate import model_device
 from minigpt.infer.kv_cache import SlotKVCache
 from minigpt.infer.metrics import ServingMetrics
-from minigpt.infer.request import EngineClosed, Event, QueueFull, Request
+from minigpt.infer.request import EngineClosed, Event, QueueFull, Request, free_memory, kv_cache_bytes, plan_context
 from minigpt.infer.sampling import InvalidRequest, SamplingParams, check_length, sample
 from minigpt.infer.stops import default_stop_ids
 from minigpt.model.transformer import Transformer
@@ -59,6 +59,9 @@ class Engine:
         tokenizer: decodes text for streaming and stop strings (None: events carry token ids only, ``stop`` is
             ignored).
         max_batch_size: KV-cache slots, i.e. requests decoded together.
+        context: tokens per slot (``max_seq_len`` of the engine): at most the model's context; default the model's,
+            capped to what ``memory_budget`` holds (:func:`~minigpt.infer.request.plan_context`).
+        memory_budget: bytes the KV cache may take (default half the device's free memory).
         max_batch_tokens: the most prompt + ``max_tokens`` tokens the running requests may reserve together
             (default ``max_batch_size * max_seq_len``: no limit beyond the slots).
         max_queue: requests that may wait for a slot; :meth:`submit` raises :class:`QueueFull` beyond.
@@ -69,11 +72,13 @@ class Engine:
             :func:`~minigpt.infer.stops.default_stop_ids` of the tokenizer).
         metrics: where to count; a fresh :class:`ServingMetrics` by default.
 
-    Memory: ``2 * n_layers * max_batch_size * n_kv_heads * max_seq_len * head_dim`` cache elements.
+    Memory: ``2 * n_layers * max_batch_size * n_kv_heads * max_seq_len * head_dim`` cache elements
+    (:attr:`kv_cache_bytes`). Raises :class:`MiniGPTError` for a bad size, before allocating anything.
     """
 
     def __init__(self, model: Transformer | FastPath, tokenizer: Optional[Tokenizer] = None, *,
-                 max_batch_size: int = 16, max_batch_tokens: Optional[int] = None, max_queue: int = 256,
+                 max_batch_size: int = 16, context: Optional[int] = None, memory_budget: Optional[int] = None,
+                 max_batch_tokens: Optional[int] = None, max_queue: int = 256,
                  max_prefill_tokens: Optional[int] = None, stop_ids: Optional[Sequence[int]] = None,
                  metrics: Optional[ServingMetrics] = None) -> None:
         if max_batch_size < 1:
@@ -85,18 +90,23 @@ class Engine:
         # fused projections and a GQA single-query attention; architectures it does not cover run the model itself.
         self.model = FastPath(model) if isinstance(model, Transformer) else model
         self.tokenizer = tokenizer
-        self.max_seq_len = c.max_seq_len
+        self.device = model_device(self.model)
+        cache_dtype = self.model.act_dtype if isinstance(self.model, FastPath) else model.tok_embeddings.weight.dtype
+        per_token = kv_cache_bytes(c.n_layers, c.n_kv_heads, c.head_dim, max_batch_size, 1, cache_dtype)
+        if memory_budget is None:
+            memory_budget = free_memory(self.device) // 2
+        self.model_context = c.max_seq_len
+        self.max_seq_len = plan_context(c.max_seq_len, per_token, context, memory_budget)
+        self.kv_cache_bytes = per_token * self.max_seq_len
         self.max_batch_size = max_batch_size
-        self.max_batch_tokens = max_batch_tokens or max_batch_size * c.max_seq_len
+        self.max_batch_tokens = max_batch_tokens or max_batch_size * self.max_seq_len
         if self.max_batch_tokens < 2:
             raise MiniGPTError(f"max_batch_tokens must be at least 2, got {self.max_batch_tokens}")
         self.max_queue = max_queue
-        self.max_prefill_tokens = max_prefill_tokens or max(c.max_seq_len, 1024)
+        self.max_prefill_tokens = max_prefill_tokens or max(self.max_seq_len, 1024)
         self.stop_ids = frozenset(int(i) for i in (default_stop_ids(tokenizer) if stop_ids is None else stop_ids))
         self.pad_id = 0
-        self.device = model_device(self.model)
-        cache_dtype = self.model.act_dtype if isinstance(self.model, FastPath) else model.tok_embeddings.weight.dtype
-        self.cache = SlotKVCache(c.n_layers, max_batch_size, c.n_kv_heads, c.max_seq_len, c.head_dim, cache_dtype,
+        self.cache = SlotKVCache(c.n_layers, max_batch_size, c.n_kv_heads, self.max_seq_len, c.head_dim, cache_dtype,
                                  self.device)
         self.metrics = metrics or ServingMetrics()
         self.metrics.slots_total.set(max_batch_size)

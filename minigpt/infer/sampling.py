@@ -4,7 +4,9 @@
 Sampling follows the usual recipe: divide logits by the temperature, keep the ``top_k`` most likely tokens (Fan et
 al. 2018, "Hierarchical Neural Story Generation"), then the smallest set whose probability reaches ``top_p``
 (nucleus sampling, Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration"), and draw from what
-remains. Temperature 0 means greedy (argmax). All of it stays on the logits' device.
+remains. Temperature 0 means greedy (argmax), and so does any temperature below :data:`MIN_TEMPERATURE` (vLLM's
+``_SAMPLING_EPS`` rule): dividing float32 logits by 1e-40 overflows to ``inf`` and the softmax to NaN. All of it
+stays on the logits' device.
 """
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ from typing import Optional
 import torch
 
 from minigpt.errors import MiniGPTError
+
+# Temperatures below this sample greedily: logits / 1e-5 stay finite for any logit below ~3e33 in float32.
+MIN_TEMPERATURE = 1e-5
 
 
 class InvalidRequest(MiniGPTError, ValueError):
@@ -36,7 +41,8 @@ class SamplingParams:
     """How one generation samples and when it ends.
 
     ``max_tokens``: new tokens at most (0 only as a placeholder to fill in, e.g. by the server once the prompt
-    length is known; generating needs at least 1). ``temperature`` 0 is greedy; ``top_k`` None/0 and ``top_p``
+    length is known; generating needs at least 1). ``temperature`` 0 (or below :data:`MIN_TEMPERATURE`) is
+    greedy; ``top_k`` None/0 and ``top_p``
     None/1 are off; ``stop`` strings end the generation and are not returned (a list is stored as a tuple);
     ``seed`` makes sampling reproducible (None: a fresh seed or the global generator).
 
@@ -70,7 +76,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
     def replace(self, **changes) -> "SamplingParams":
         """A copy with ``changes`` applied (validated again)."""
@@ -119,8 +125,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: Optional[tor
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution :func:`sample` draws from (``temperature > 0``): float32 ``[..., vocab_size]`` after the
-    temperature, top-k and top-p filters. Speculative decoding needs it explicitly for both models."""
+    """The distribution :func:`sample` draws from: float32 ``[..., vocab_size]`` after the temperature, top-k and
+    top-p filters; a one-hot at the argmax for greedy ``params``. Never NaN for finite logits. Speculative decoding
+    needs it explicitly for both models."""
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.size(-1)).float()
     top_k, top_p = params.top_k, params.top_p
     logits = logits.float() / params.temperature
     if top_k is not None and 0 < top_k < logits.size(-1):
@@ -129,8 +138,10 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token once the mass before it already reaches top_p; the most likely token always stays.
+        # Drop a token once the mass before it already reaches top_p; the most likely token always stays, also
+        # when top_p underflows to 0 in float32 (5e-324) and the test alone would drop every token.
         drop = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop[..., 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return torch.softmax(logits, dim=-1)

@@ -6,13 +6,20 @@ Chat Completions endpoints):
 
 * ``POST /v1/completions``, ``POST /v1/chat/completions``: JSON answers, or Server-Sent Events with
   ``"stream": true`` (one ``data: {chunk}`` per piece of text, ending with ``data: [DONE]``);
-* ``GET /v1/models``; ``GET /health``; ``GET /metrics`` (Prometheus text format); ``GET /`` (the chat page).
+* ``GET /v1/models``; ``GET /health``; ``GET /metrics`` (Prometheus text format); ``GET /`` (the chat page);
+  ``GET /openapi.json`` (:mod:`minigpt.serve.openapi`).
 
 Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with these statuses: 400 invalid
 request (malformed JSON, wrong type or range, unknown or unsupported field, unknown model, prompt or ``max_tokens``
-beyond the context), 401 missing or wrong API key, 404 unknown path, 405 wrong method, 429 wait queue full, 500 a
-failure inside the generation, 503 shutting down, 504 the request timed out. The fields each endpoint accepts and
-how they are checked: :mod:`minigpt.serve.schemas`.
+beyond the context), 401 missing or wrong API key, 404 unknown path, 405 wrong method, 413 body too large, 415 not
+sent as JSON, 429 wait queue full, 500 a failure inside the generation, 503 shutting down, 504 the request timed
+out. The fields each endpoint accepts and how they are checked: :mod:`minigpt.serve.schemas`.
+
+Only reading the body happens on the event loop: parsing, validation and tokenization run in a small thread pool
+(``minigpt-prepare-N`` threads), so a large request never holds up ``/health`` or the streams of others. A client
+that disconnects cancels its generation at the engine's next step, streamed or not. On SIGTERM the engine drains
+for ``shutdown_timeout`` seconds, then cancels what still runs: those streams end with an error event and
+``data: [DONE]``.
 """
 from __future__ import annotations
 
@@ -21,8 +28,10 @@ import hmac
 import logging
 import signal
 import socket
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator, Optional
@@ -40,27 +49,35 @@ from minigpt.infer.metrics import CONTENT_TYPE
 from minigpt.infer.request import EngineClosed, Event, QueueFull
 from minigpt.infer.sampling import InvalidRequest, SamplingParams
 from minigpt.runtime import DTYPES, pick_device
-from minigpt.serve.chat import ChatFormatter, TemplateRejected
+from minigpt.serve.chat import encode_prompt, prompt_bos
+from minigpt.serve.openapi import openapi_document
 from minigpt.serve.schemas import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
+    MAX_BODY_BYTES,
     ApiError,
+    Prepared,
     bad_request,
+    check_content_type,
     check_fields,
     is_int,
+    parse_json,
     parse_messages,
     parse_sampling,
     parse_stream_flags,
-    read_json,
+    read_body,
     to_json,
 )
+from minigpt.tokenizer.chat_template import ChatTemplate, TemplateRejected
 from minigpt.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger("minigpt.serve.app")
 
 STATIC = Path(__file__).resolve().parent / "static"
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/", "/openapi.json")
+PREPARE_THREADS = 2  # parse + tokenize in parallel with the loop; more would only queue behind the GIL
+PREFIX_SLACK = 16  # tokens a cut through the last word may add to a prefix's count (see ServerState.refuse_long)
 
 
 # ---------------------------------------------------------------------------------------------------- app
@@ -88,16 +105,20 @@ class _CountRequests:
 
 
 class ServerState:
-    """What the route handlers share: the engine, tokenizer, chat formatter, names and limits."""
+    """What the route handlers share: the engine, tokenizer, chat template, names and limits. ``add_bos``: string
+    prompts of /v1/completions start with BOS (:func:`~minigpt.serve.chat.prompt_bos` of the model)."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: Optional[str] = None,
-                 chat_template: Optional[str] = None, request_timeout: Optional[float] = None) -> None:
+                 chat_template: Optional[str] = None, request_timeout: Optional[float] = None,
+                 add_bos: bool = False, max_body_bytes: int = MAX_BODY_BYTES) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.api_key = api_key or None
-        self.chat = ChatFormatter(tokenizer, chat_template)
+        self.chat = ChatTemplate.for_model(tokenizer, chat_template)
+        self.add_bos = add_bos
         self.request_timeout = request_timeout
+        self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
 
     def check_auth(self, request) -> None:
@@ -123,10 +144,9 @@ class ServerState:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-            if not ids and self.tokenizer.bos_id is not None:
-                ids = [self.tokenizer.bos_id]  # as `minigpt generate` does for an empty prompt
-            return ids
+            self.refuse_long(prompt, "prompt")
+            # Special-token text becomes ids, as in `minigpt generate` and transformers' tokenizer(prompt).
+            return encode_prompt(self.tokenizer, prompt, bos=self.add_bos)
         if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
             return list(prompt)
         if isinstance(prompt, list) and len(prompt) > 1:
@@ -134,21 +154,79 @@ class ServerState:
                               "prompt")
         raise bad_request("'prompt' must be a string or a non-empty list of token ids", "prompt")
 
+    def refuse_long(self, text: str, param: str) -> None:
+        """400 for a text with more tokens than the context, found without tokenizing all of it: growing prefixes
+        (8 characters per token of context, then 4 times longer each time) are tokenized until one has more tokens
+        than the context. The tokenizers hold the GIL, so tokenizing a 4 MB prompt in full would stall the event
+        loop for seconds; this bounds the work by the context instead."""
+        limit = self.engine.max_seq_len
+        n = 8 * limit
+        while n < len(text):
+            if len(self.tokenizer.encode(text[:n])) > limit + PREFIX_SLACK:
+                raise bad_request(f"'{param}' has more than {limit:,} tokens, this server's context", param)
+            n *= 4
+
+    # The prepare_* methods run in a worker thread: parsing, validation and tokenization of the raw body.
+    def prepare_completion(self, raw: bytes) -> Prepared:
+        body = parse_json(raw)
+        check_fields(body, COMPLETION_FIELDS)
+        self.check_model(body)
+        if "prompt" not in body:
+            raise bad_request("'prompt' is required", "prompt")
+        params, max_tokens = parse_sampling(body)
+        stream, include_usage = parse_stream_flags(body)
+        prompt = self.prompt_ids(body["prompt"])
+        # OpenAI's default for the completions endpoint is 16 tokens.
+        return self._checked(prompt, params, 16 if max_tokens is None else max_tokens, "prompt", stream,
+                             include_usage)
+
+    def prepare_chat(self, raw: bytes) -> Prepared:
+        body = parse_json(raw)
+        check_fields(body, CHAT_FIELDS)
+        self.check_model(body)
+        messages = parse_messages(body.get("messages"))
+        self.refuse_long("\n".join(m["content"] for m in messages), "messages")
+        params, max_tokens = parse_sampling(body, chat=True)
+        if self.chat.stop:
+            params = params.replace(stop=params.stop + self.chat.stop)
+        stream, include_usage = parse_stream_flags(body)
+        try:
+            prompt = self.chat.prompt(messages)
+        except TemplateRejected as e:
+            raise bad_request(str(e), "messages") from None
+        return self._checked(prompt, params, max_tokens, "messages", stream, include_usage)
+
+    def _checked(self, prompt: list[int], params: SamplingParams, max_tokens: Optional[int], param: str,
+                 stream: bool, include_usage: bool) -> Prepared:
+        """The request, its size checked against the context and its token ids against the vocabulary."""
+        try:
+            max_tokens = self.engine.validate(len(prompt), max_tokens)
+        except InvalidRequest as e:
+            raise bad_request(str(e), param if e.param == "prompt" else e.param) from None
+        vocab = self.engine.model.config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise bad_request(f"prompt token ids must be in [0, {vocab})", param)
+        return Prepared(prompt, params.replace(max_tokens=max_tokens), stream, include_usage)
+
 
 def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: bool = True):
     """The FastAPI application around ``state``; its lifespan starts the engine's worker (unless ``start_worker``
     is False: the caller starts it, e.g. a test that fills the queue first) and closes the engine on shutdown,
     cancelling whatever still runs after ``drain_timeout`` seconds."""
     engine = state.engine
+    pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="minigpt-prepare")
 
     @asynccontextmanager
     async def lifespan(app):
         if start_worker:
             engine.start()
         yield
+        pool.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(engine.close, drain_timeout)
 
-    app = FastAPI(title="MiniGPT", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="MiniGPT", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    document = openapi_document(state.model_name, engine.max_seq_len, state.api_key)
+    app.openapi = lambda: document  # written by hand: the routes read raw bodies, FastAPI cannot describe them
     app.add_middleware(_CountRequests, metrics=engine.metrics)
 
     @app.exception_handler(ApiError)
@@ -185,18 +263,20 @@ def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: boo
             finally:
                 engine.cancel(self.req)
 
-    def submit(prompt: list[int], params: SamplingParams, max_tokens: Optional[int], param: str):
+    async def prepare(request: Request, parse) -> Prepared:
+        """Read the body here (the only part on the event loop), then ``parse`` it in the pool."""
+        state.check_auth(request)
+        check_content_type(request)
+        raw = await read_body(request, state.max_body_bytes)
+        return await asyncio.get_running_loop().run_in_executor(pool, parse, raw)
+
+    def submit(prompt: list[int], params: SamplingParams, param: str):
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue[Event] = asyncio.Queue()
 
         def deliver(event: Event) -> None:
             loop.call_soon_threadsafe(inbox.put_nowait, event)
 
-        try:
-            max_tokens = engine.validate(len(prompt), max_tokens)
-        except InvalidRequest as e:
-            raise bad_request(str(e), param if e.param == "prompt" else e.param) from None
-        params = params.replace(max_tokens=max_tokens)
         try:
             req = engine.submit(prompt, params, deliver, timeout=state.request_timeout)
         except InvalidRequest as e:
@@ -227,9 +307,17 @@ def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: boo
             return ApiError(503, event.error or "the request was cancelled", "server_error", None, "cancelled")
         return ApiError(500, f"generation failed: {event.error}", "server_error", None, "generation_error")
 
-    async def respond(request: Request, chat: bool, prompt: list[int], params: SamplingParams,
-                      max_tokens: Optional[int], stream: bool, include_usage: bool):
-        req, inbox = submit(prompt, params, max_tokens, "messages" if chat else "prompt")
+    async def cancel_on_disconnect(request: Request, req, gone: threading.Event) -> None:
+        """Cancel ``req`` when its client disconnects. The body is read already, so the next ASGI message is the
+        disconnect (uvicorn sends it as soon as the connection closes)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone.set()
+        engine.cancel(req)
+
+    async def respond(request: Request, chat: bool, job: Prepared):
+        stream, include_usage = job.stream, job.include_usage
+        req, inbox = submit(job.prompt, job.params, "messages" if chat else "prompt")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
@@ -275,16 +363,19 @@ def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: boo
             return EngineStream(events(), req)
 
         parts: list[str] = []
+        gone = threading.Event()
+        watcher = asyncio.create_task(cancel_on_disconnect(request, req, gone))
         try:
             while True:
                 ev = await next_event(inbox, request, req)
-                if ev is None:
+                if ev is None or gone.is_set():
                     engine.cancel(req)
                     return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
                 parts.append(ev.text)
                 if ev.finished:
                     break
         finally:
+            watcher.cancel()
             engine.cancel(req)  # no-op once finished; frees the slot if this handler was cancelled
         if ev.finish_reason in ("error", "timeout", "cancelled"):
             raise error_for(ev)
@@ -300,35 +391,11 @@ def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: boo
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        state.check_auth(request)
-        body = await read_json(request)
-        check_fields(body, COMPLETION_FIELDS)
-        state.check_model(body)
-        if "prompt" not in body:
-            raise bad_request("'prompt' is required", "prompt")
-        params, max_tokens = parse_sampling(body)
-        stream, include_usage = parse_stream_flags(body)
-        prompt = state.prompt_ids(body["prompt"])
-        # OpenAI's default for the completions endpoint is 16 tokens.
-        return await respond(request, False, prompt, params, 16 if max_tokens is None else max_tokens, stream,
-                             include_usage)
+        return await respond(request, False, await prepare(request, state.prepare_completion))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        state.check_auth(request)
-        body = await read_json(request)
-        check_fields(body, CHAT_FIELDS)
-        state.check_model(body)
-        messages = parse_messages(body.get("messages"))
-        params, max_tokens = parse_sampling(body, chat=True)
-        if state.chat.stop:
-            params = params.replace(stop=params.stop + state.chat.stop)
-        stream, include_usage = parse_stream_flags(body)
-        try:
-            prompt = state.chat.encode(messages)
-        except TemplateRejected as e:
-            raise bad_request(str(e), "messages") from None
-        return await respond(request, True, prompt, params, max_tokens, stream, include_usage)
+        return await respond(request, True, await prepare(request, state.prepare_chat))
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -359,11 +426,13 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optio
           model_name: Optional[str] = None, max_batch_size: int = 16, max_batch_tokens: Optional[int] = None,
           max_queue: int = 256, max_prefill_tokens: Optional[int] = None, request_timeout: Optional[float] = 600.0,
           shutdown_timeout: float = 30.0, device: str = "auto", dtype: str = "float32",
-          log_level: str = "info") -> int:
+          log_level: str = "info", context: Optional[int] = None, max_body_bytes: int = MAX_BODY_BYTES) -> int:
     """Load a model and serve it until SIGTERM/SIGINT; returns the exit status (0 after a clean shutdown).
 
-    On SIGTERM the listening socket closes, running and queued requests get ``shutdown_timeout`` seconds to
-    finish, then the rest are cancelled (streams end with an error event) and the process exits.
+    ``context``: tokens per KV-cache slot (default: the model's context, capped to half the free memory; see
+    :class:`Engine`). On SIGTERM the listening socket closes, running and queued requests get
+    ``shutdown_timeout`` seconds to finish, then the rest are cancelled (streams end with an error event and
+    ``data: [DONE]``) and the process exits.
     """
     import uvicorn
 
@@ -375,12 +444,24 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optio
                            f"{model.config.vocab_size} embeddings")
     name = model_name or (ckpt.stem if ckpt.is_file() else ckpt.name)
     engine = Engine(model, tokenizer, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
-                    max_queue=max_queue, max_prefill_tokens=max_prefill_tokens)
-    state = ServerState(engine, tokenizer, name, api_key, load_chat_template(ckpt), request_timeout)
+                    max_queue=max_queue, max_prefill_tokens=max_prefill_tokens, context=context)
+    state = ServerState(engine, tokenizer, name, api_key, load_chat_template(ckpt), request_timeout,
+                        add_bos=prompt_bos(ckpt, tokenizer), max_body_bytes=max_body_bytes)
     app = create_app(state)
+
+    class DrainingServer(uvicorn.Server):
+        """Drains the engine while uvicorn waits for open connections: what still runs after ``shutdown_timeout``
+        is cancelled by the engine, so its handler answers the error (a stream: an error event and [DONE]) well
+        before uvicorn's own deadline, 5 s later, would cut the connection mid-stream."""
+
+        async def shutdown(self, sockets=None):
+            drain = asyncio.ensure_future(asyncio.to_thread(engine.close, shutdown_timeout))
+            await super().shutdown(sockets)
+            await drain
+
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=shutdown_timeout + 5.0, lifespan="on")
+    server = DrainingServer(config)
     # uvicorn re-raises the signal it caught once it has shut down; with the default handlers that would end the
     # process with -SIGTERM (or a KeyboardInterrupt traceback) after a clean shutdown.
     # Bound here, not by uvicorn, so a busy port is one clear error line before anything starts.
@@ -395,6 +476,10 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optio
         signal.signal(sig, lambda *_: None)
     print(f"serving {ckpt} as '{name}' on http://{host}:{sock.getsockname()[1]} (max batch {max_batch_size}, "
           f"{torch.get_num_threads()} threads)", flush=True)
+    capped = "" if engine.max_seq_len == engine.model_context or context else (
+        f"; the model's {engine.model_context:,} tokens do not fit half the free memory: --context sets it")
+    print(f"KV cache: {max_batch_size} slots x {engine.max_seq_len:,} tokens = {engine.kv_cache_bytes / 2**20:,.1f} "
+          f"MiB (context {engine.max_seq_len:,}{capped})", flush=True)
     try:
         server.run(sockets=[sock])
     finally:

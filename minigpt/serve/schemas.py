@@ -4,9 +4,17 @@ they are checked, and the error every check raises.
 Shapes and ranges follow OpenAI's public API reference for the legacy Completions and the Chat Completions
 endpoints. Parameters accepted: ``model``, ``prompt`` / ``messages``, ``max_tokens`` (chat also
 ``max_completion_tokens``), ``temperature`` (0 to 2), ``top_p`` ((0, 1]), ``top_k`` (an extension; 0 or -1: off),
-``stop`` (a string or up to 16 strings), ``seed``, ``stream``, ``stream_options.include_usage``, ``user`` (ignored).
-The fields in :data:`NEUTRAL_FIELDS` (``n``, ``logprobs``, penalties, tools, ...) are accepted only with their
-neutral value; any other value, and any unknown field, is a 400 naming the field.
+``stop`` (a string or up to 16 non-empty strings of 1,024 characters in all), ``seed``, ``stream``,
+``stream_options.include_usage``, ``user`` (a string, ignored). The fields in :data:`NEUTRAL_FIELDS` (``n``,
+``logprobs``, penalties, tools, ...) are accepted only with their neutral value; any other value, and any unknown
+field, is a 400 naming the field.
+
+Before any of that, the body itself (:func:`check_content_type`, :func:`read_body`, :func:`parse_json`): JSON sent
+as ``Content-Type: application/json`` (else 415: the form and text bodies a web page may post cross-site without
+a CORS preflight never reach the model), at most ``--max-body-bytes`` bytes, counted while reading, also when
+chunked (else 413), strict UTF-8 with no lone surrogate (``"\\ud800"``) in any string, nested at most
+:data:`MAX_JSON_DEPTH` deep, numbers of at most :data:`MAX_NUMBER_CHARS` characters and no ``NaN`` / ``Infinity``
+(else 400).
 
 Every check raises :class:`ApiError`, which the app answers as ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -14,6 +22,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from minigpt.infer.sampling import SamplingParams
@@ -31,6 +41,21 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop",
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"} | set(NEUTRAL_FIELDS)
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"} | set(NEUTRAL_FIELDS)
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # all stop strings together: each generated token is checked against every one of them
+MAX_BODY_BYTES = 4 * 2**20  # default of `minigpt serve --max-body-bytes`
+MAX_JSON_DEPTH = 32  # objects and arrays; a valid request needs 5 (a message's content part)
+MAX_NUMBER_CHARS = 64  # an int64 seed has 20; Python refuses to parse integers of more than 4,300 digits
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+@dataclass
+class Prepared:
+    """A request ready for the engine: prompt ids, sampling (``max_tokens`` filled in) and how to answer."""
+
+    prompt: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
 
 
 class ApiError(Exception):
@@ -39,10 +64,16 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: Optional[str] = None,
                  code: Optional[str] = None) -> None:
         super().__init__(message)
+        # A lone surrogate quoted from the request (a field name, a value) could not be encoded as UTF-8.
+        message, param = _printable(message), None if param is None else _printable(param)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _printable(text: str) -> str:
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> ApiError:
@@ -77,16 +108,109 @@ def _is_neutral(value: Any, allowed: tuple) -> bool:
     return False
 
 
-async def read_json(request) -> dict:
-    """The request's body as a JSON object; malformed JSON or another JSON type is a 400 ``invalid_json``."""
-    raw = await request.body()
+def check_content_type(request) -> None:
+    """415 ``unsupported_media_type`` unless the body is declared JSON (``application/json`` or ``*/*+json``, UTF-8)."""
+    given = request.headers.get("content-type", "")
+    media, _, params = given.partition(";")
+    media = media.strip().lower()
+    charset = next((v.strip().strip('"').lower() for k, _, v in (p.partition("=") for p in params.split(";"))
+                    if k.strip().lower() == "charset"), "utf-8")
+    if (media != "application/json" and not (media.startswith("application/") and media.endswith("+json"))) or \
+            charset not in ("utf-8", "utf8"):
+        raise ApiError(415, f"the request body must be JSON sent with 'Content-Type: application/json', got "
+                       f"{to_json(given) if given else 'no Content-Type'}", "invalid_request_error", None,
+                       "unsupported_media_type")
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than this server's limit of {limit:,} bytes (--max-body-bytes)",
+                    "invalid_request_error", None, "request_too_large")
+
+
+async def read_body(request, limit: int) -> bytes:
+    """The request's body, at most ``limit`` bytes: a larger ``Content-Length`` is refused before reading and a
+    chunked body once its bytes pass ``limit`` (413 ``request_too_large``)."""
+    declared = request.headers.get("content-length", "").strip()
+    if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class _BadNumber(ValueError):
+    pass
+
+
+def _number(kind):
+    def parse(text: str):
+        if len(text) > MAX_NUMBER_CHARS:
+            raise _BadNumber(f"a number in the request body has {len(text):,} characters; at most "
+                             f"{MAX_NUMBER_CHARS} are accepted")
+        return kind(text)
+    return parse
+
+
+def _no_constant(name: str):
+    raise _BadNumber(f"{name} is not a JSON number")
+
+
+_JSON = json.JSONDecoder(parse_int=_number(int), parse_float=_number(float), parse_constant=_no_constant)
+
+
+def parse_json(raw: bytes) -> dict:
+    """A request body as a JSON object (see the module docstring for what is refused: 400 ``invalid_json``).
+
+    Runs in a worker thread: parsing and walking a body of several MB takes a while."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        text = raw.decode("utf-8")
+        body = _JSON.decode(text)
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the request body is not valid UTF-8: {e}", None, "invalid_json") from None
+    except _BadNumber as e:
+        raise bad_request(str(e), None, "invalid_json") from None
+    except RecursionError:
+        raise bad_request(f"the request body nests more than {MAX_JSON_DEPTH} objects or arrays deep", None,
+                          "invalid_json") from None
+    except ValueError as e:  # json.JSONDecodeError and int()'s own digit limit
         raise bad_request(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None, "invalid_json")
+    _check_tree(body)
     return body
+
+
+def _path(parent: str, key: Any) -> str:
+    if isinstance(key, int):
+        return f"{parent}[{key}]"
+    return f"{parent}.{key}" if parent else str(key)
+
+
+def _check_text(text: str, where: str) -> None:
+    if not text.isascii() and _SURROGATE.search(text):
+        raise bad_request(f"'{where}' is not valid Unicode: it holds a lone surrogate (an unpaired \\ud800-\\udfff "
+                          "escape)", where or None, "invalid_json")
+
+
+def _check_tree(body: dict) -> None:
+    """Depth and lone surrogates of a parsed body, walked without recursion; errors name the field."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 1)]
+    while stack:
+        node, where, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise bad_request(f"the request body nests more than {MAX_JSON_DEPTH} objects or arrays deep", None,
+                              "invalid_json")
+        for key, value in (node.items() if isinstance(node, dict) else enumerate(node)):
+            if isinstance(key, str):
+                _check_text(key, _path(where, key))
+            if isinstance(value, str):
+                _check_text(value, _path(where, key))
+            elif isinstance(value, (dict, list)):
+                stack.append((value, _path(where, key), depth + 1))
 
 
 def check_fields(body: dict, allowed: set[str]) -> None:
@@ -99,6 +223,9 @@ def check_fields(body: dict, allowed: set[str]) -> None:
         if key in body and not _is_neutral(body[key], neutral):
             raise bad_request(f"'{key}' = {to_json(body[key])} is not supported by this server (only "
                               f"{to_json(neutral[-1])} is accepted)", key, "unsupported_parameter")
+    for key in ("model", "user"):
+        if body.get(key) is not None and not isinstance(body[key], str):
+            raise bad_request(f"'{key}' must be a string, got {to_json(body[key])}", key)
 
 
 def parse_sampling(body: dict, chat: bool = False) -> tuple[SamplingParams, Optional[int]]:
@@ -133,6 +260,9 @@ def parse_sampling(body: dict, chat: bool = False) -> tuple[SamplingParams, Opti
         raise bad_request("'stop' must be a string or a list of strings", "stop")
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
         raise bad_request(f"'stop' takes at most {MAX_STOP_STRINGS} non-empty strings", "stop")
+    if sum(len(s) for s in stops) > MAX_STOP_CHARS:
+        raise bad_request(f"the 'stop' strings have {sum(len(s) for s in stops):,} characters in all; at most "
+                          f"{MAX_STOP_CHARS:,} are accepted", "stop")
     seed = body.get("seed")
     if seed is not None and not is_int(seed):
         raise bad_request(f"'seed' must be an integer, got {to_json(seed)}", "seed")
@@ -187,6 +317,8 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
         unknown = set(m) - {"role", "content", "name"}
         if unknown:
             raise bad_request(f"{where} has unsupported field(s) {sorted(unknown)}", f"{where}.{sorted(unknown)[0]}")
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise bad_request(f"{where}.name must be a string", f"{where}.name")
         role = m.get("role")
         if role not in ("system", "developer", "user", "assistant"):
             raise bad_request(f"{where}.role must be one of system, developer, user, assistant; got {to_json(role)}",
