@@ -48,7 +48,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens,
                  request_timeout=args.request_timeout or None, shutdown_timeout=args.shutdown_timeout,
                  device=args.device, dtype=args.dtype, log_level=args.log_level, context=args.context,
-                 max_body_bytes=max_body_bytes)
+                 max_body_bytes=max_body_bytes, adapter=args.adapter)
 
 
 def _check_context(context) -> None:
@@ -118,6 +118,7 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, help="torch intra-op threads of the model worker")
     p.add_argument("--log-level", dest="log_level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter folder, merged into the weights at load")
 
     p = add_command(sub, "chat", cmd_chat)
     p.add_argument("ckpt", help="run dir, checkpoint dir, HF model dir, .gguf or llama2.c .bin")

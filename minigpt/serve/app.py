@@ -42,6 +42,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minigpt.checkpoint.adapter import load_merged
 from minigpt.checkpoint.native import load_chat_template, load_model, load_tokenizer, resolve_checkpoint
 from minigpt.errors import MiniGPTError
 from minigpt.infer.engine import Engine
@@ -426,8 +427,10 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optio
           model_name: Optional[str] = None, max_batch_size: int = 16, max_batch_tokens: Optional[int] = None,
           max_queue: int = 256, max_prefill_tokens: Optional[int] = None, request_timeout: Optional[float] = 600.0,
           shutdown_timeout: float = 30.0, device: str = "auto", dtype: str = "float32",
-          log_level: str = "info", context: Optional[int] = None, max_body_bytes: int = MAX_BODY_BYTES) -> int:
-    """Load a model and serve it until SIGTERM/SIGINT; returns the exit status (0 after a clean shutdown).
+          log_level: str = "info", context: Optional[int] = None, max_body_bytes: int = MAX_BODY_BYTES,
+          adapter: Optional[str] = None) -> int:
+    """Load a model (with the PEFT LoRA folder ``adapter`` merged in, if given) and serve it until SIGTERM/SIGINT;
+    returns the exit status (0 after a clean shutdown).
 
     ``context``: tokens per KV-cache slot (default: the model's context, capped to half the free memory; see
     :class:`Engine`). On SIGTERM the listening socket closes, running and queued requests get
@@ -437,7 +440,10 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optio
     import uvicorn
 
     ckpt = resolve_checkpoint(source)
-    model = load_model(ckpt, device=pick_device(device), dtype=DTYPES[dtype])
+    if adapter is not None:
+        model = load_merged(ckpt, adapter, device=pick_device(device), dtype=DTYPES[dtype])
+    else:
+        model = load_model(ckpt, device=pick_device(device), dtype=DTYPES[dtype])
     tokenizer = load_tokenizer(ckpt)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise MiniGPTError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "

@@ -45,3 +45,26 @@ def test_adapter_for_another_base_is_one_line(tiny_data, tmp_path):
                     tokenizer=tok)
     assert_one_line_error(run_cli("generate", tmp_path / "other", "--adapter", adapter, "--prompt", "a"), "has shape")
     assert_one_line_error(run_cli("chat", tmp_path / "other", "--adapter", adapter, stdin="hi\n"), "has shape")
+
+
+def test_serve_with_an_adapter_answers_like_the_merged_model(tiny_data, tmp_path):
+    import json
+    import sys
+    import urllib.request
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))
+    from serve_helpers import ServerProcess
+
+    base, adapter = _base_and_adapter(tiny_data, tmp_path)
+    merged = run_cli("generate", base, "--adapter", adapter, "--prompt", "ROMEO:", "--temperature", "0",
+                     "--max-new-tokens", "16")
+    server = ServerProcess(base, "--adapter", str(adapter))
+    try:
+        body = json.dumps({"model": "base", "prompt": "ROMEO:", "max_tokens": 16, "temperature": 0}).encode()
+        req = urllib.request.Request(server.url + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            text = json.loads(r.read())["choices"][0]["text"]
+    finally:
+        server.stop()
+    assert merged.stdout.rstrip("\n") == text
