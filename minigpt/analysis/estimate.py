@@ -49,7 +49,7 @@ def _linear(n_in: int, n_out: int, bias: bool) -> int:
 
 def _ffn(config: ModelConfig, hidden: int) -> int:
     """One FFN of ``config.ffn`` type and width ``hidden``: 3 matrices gated, 2 plain (:mod:`minigpt.model.ffn`)."""
-    d, b = config.dim, config.bias
+    d, b = config.dim, config.has_mlp_bias
     n = _linear(d, hidden, b) + _linear(hidden, d, b)
     return n + (_linear(d, hidden, b) if config.ffn in GATED_FFNS else 0)
 

@@ -76,7 +76,7 @@ def _float_model(source: str | Path):
 
 def export_hf(source: str | Path, out: str | Path, dtype: str = "float32", max_shard_size: str | int = "5GB") -> Path:
     """Write ``source`` (any model source :func:`minigpt.checkpoint.native.load_model` reads) as a ``LlamaForCausalLM``
-    (or ``MixtralForCausalLM``) directory ``out`` in ``dtype`` (float32 / bfloat16 / float16). Returns ``out``.
+    (or ``MistralForCausalLM`` / ``MixtralForCausalLM``, see :func:`minigpt.interop.hf.config_to_hf`) directory ``out`` in ``dtype`` (float32 / bfloat16 / float16). Returns ``out``.
 
     Without a tokenizer at ``source`` only the model files are written. Raises :class:`MiniGPTError` for an
     unknown dtype, an unreadable source, or a config field the architecture cannot represent.

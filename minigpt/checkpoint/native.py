@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from minigpt.checkpoint.atomic import FORMAT, atomic_dir, verify_manifest
-from minigpt.checkpoint.quantized import load_quantized
+from minigpt.checkpoint.quantized import build_quantized, load_quantized
 from minigpt.errors import MiniGPTError
 from minigpt.interop import hf
 from minigpt.interop.gguf import read_gguf, read_gguf_weights, read_vocab
@@ -64,9 +64,12 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         raise MiniGPTError(f"{path.parent} is not a model directory: {path.name} is missing")
     try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MiniGPTError(f"{path} is not valid JSON ({e})") from None
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise MiniGPTError(f"{path} is not valid JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(d, dict):
+        raise MiniGPTError(f"{path} must hold a JSON object, not {type(d).__name__}")
+    return d
 
 
 def read_weights(directory: Path) -> dict[str, torch.Tensor]:
@@ -80,7 +83,10 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
             return load_file(str(single))
         if index.is_file():
             tensors: dict[str, torch.Tensor] = {}
-            for shard in sorted(set(_read_json(index)["weight_map"].values())):
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise MiniGPTError(f"{index} has no weight_map of tensor names to shard files")
+            for shard in sorted(set(weight_map.values())):
                 if not (directory / shard).is_file():
                     raise MiniGPTError(f"{directory} is missing shard {shard} listed in {index.name}")
                 tensors.update(load_file(str(directory / shard)))
@@ -105,17 +111,18 @@ def check_claims(config: ModelConfig, tensors: dict[str, torch.Tensor], source: 
                            f"{config.n_experts} experts need more tensors than the {len(tensors)} it holds")
 
 
-def check_shapes(expected: dict[str, torch.Tensor], sd: dict[str, torch.Tensor], source: str) -> None:
-    """Raise :class:`MiniGPTError` unless ``sd`` has exactly the names and shapes of ``expected`` (which may live
-    on the meta device: checking allocates nothing)."""
+def check_shapes(expected: dict[str, torch.Tensor], sd: dict[str, torch.Tensor], source: str,
+                 names: bool = True) -> None:
+    """Raise :class:`MiniGPTError` unless ``sd`` has exactly the names (unless not ``names``: only the tensors both
+    have are compared) and shapes of ``expected``, which may live on the meta device: checking allocates nothing."""
     missing = sorted(set(expected) - set(sd))
     unexpected = sorted(set(sd) - set(expected))
-    if missing or unexpected:
+    if names and (missing or unexpected):
         raise MiniGPTError(
             f"{source} does not match its config: missing tensors {missing[:4]}, unexpected {unexpected[:4]}"
         )
     for k, v in sd.items():
-        if v.shape != expected[k].shape:
+        if k in expected and v.shape != expected[k].shape:
             raise MiniGPTError(
                 f"{source}: tensor {k} has shape {tuple(v.shape)} but the config implies {tuple(expected[k].shape)}"
             )
@@ -136,8 +143,9 @@ def load_config(directory: str | Path) -> ModelConfig:
             return ModelConfig.from_dict({k: v for k, v in d.items() if k not in ("format", "quantization")})
         if hf.is_hf_dir(directory):
             return hf.config_from_hf(d)
-    except (ValueError, KeyError, TypeError) as e:
-        raise MiniGPTError(f"{directory}/config.json is invalid: {e}") from None
+    # A field of the wrong type or size: a string, list or 2^64 where a count belongs, Infinity as a factor.
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError, ZeroDivisionError) as e:
+        raise MiniGPTError(f"{directory}/config.json is invalid: {type(e).__name__}: {e}") from None
     raise MiniGPTError(f"{directory}/config.json is neither a MiniGPT nor a Hugging Face config")
 
 
@@ -188,9 +196,11 @@ def load_model(
         if quantization.get("method") != METHOD:
             raise MiniGPTError(f"{source}: unknown quantization method {quantization.get('method')!r}; this "
                                f"version reads {METHOD!r}")
+        # Shapes checked on the meta device first, as below; load_quantized names missing tensors its own way.
+        check_shapes(_on_meta(lambda: build_quantized(config, "meta"), source).state_dict(), tensors, str(source),
+                     names=False)
         return load_quantized(config, tensors, str(source), device, dtype)
-    with torch.device("meta"):
-        model = Transformer(config)
+    model = _on_meta(lambda: Transformer(config), source)
     # Checked while the model is still on the meta device: a header that claims a vocabulary or width its tensors
     # do not have is refused here rather than sizing the allocation below.
     check_shapes(model_state_dict(model), tensors, str(source))
@@ -204,13 +214,30 @@ def load_model(
     return model.eval()
 
 
+def _on_meta(build, source: str | Path):
+    """``build()`` under the meta device (nothing is allocated). What a config that passed its own checks can still
+    hold (a bool or an int beyond int64 where torch wants a size, a RoPE theta beyond float range) is a one-line
+    :class:`MiniGPTError`."""
+    try:
+        with torch.device("meta"):
+            return build()
+    except (ValueError, TypeError, OverflowError, RuntimeError) as e:
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise MiniGPTError(f"{source}: its config does not describe a model that can be built "
+                           f"({type(e).__name__}: {first})") from None
+
+
 def quantization_of(source: str | Path) -> Optional[dict]:
     """The ``quantization`` entry of a MiniGPT directory's ``config.json`` (None: a float model)."""
     path = Path(source) / "config.json"
     if not path.is_file():
         return None
     d = _read_json(path)
-    return d.get("quantization") if d.get("format") == FORMAT else None
+    quantization = d.get("quantization") if d.get("format") == FORMAT else None
+    if quantization is not None and not isinstance(quantization, dict):
+        raise MiniGPTError(f"{path}: 'quantization' must be an object like {{\"method\": \"{METHOD}\"}}, "
+                           f"not {quantization!r}")
+    return quantization
 
 
 def load_tokenizer(source: str | Path) -> Tokenizer:

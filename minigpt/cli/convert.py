@@ -31,8 +31,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     """Export a model to the Hugging Face or llama.cpp ecosystem.
 
-    --format hf writes a LlamaForCausalLM directory (MixtralForCausalLM for a mixture of experts with experts on
-    every layer and no shared expert; config.json, safetensors, sharded above --max-shard-size,
+    --format hf writes a LlamaForCausalLM directory (MistralForCausalLM for a sliding attention window,
+    MixtralForCausalLM for a mixture of experts with experts on every layer and no shared expert; config.json, safetensors, sharded above --max-shard-size,
     generation_config.json, tokenizer files) that transformers loads offline. --format gguf writes a llama GGUF
     (OUT ending in .gguf is the file, else OUT/model.gguf) in float32, float16, bfloat16 or q8_0.
     """
@@ -51,9 +51,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     """Import a model into a MiniGPT model directory.
 
-    SRC: a Hugging Face directory (LlamaForCausalLM, MistralForCausalLM without sliding window, Qwen2ForCausalLM;
-    single-file or sharded safetensors; fp32/fp16/bf16), a llama GGUF file, or a llama2.c .bin checkpoint (its
-    tokenizer.model / tok*.bin is taken from the same folder). Every command that takes a checkpoint also accepts
+    SRC: a Hugging Face directory (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM;
+    single-file or sharded safetensors; fp32/fp16/bf16), a llama or qwen2 GGUF file, or a llama2.c .bin checkpoint
+    (its tokenizer.model / tok*.bin is taken from the same folder). Every command that takes a checkpoint also accepts
     SRC directly.
     """
     import torch

@@ -1,4 +1,5 @@
-"""GGUF, llama.cpp's single-file model format, for ``general.architecture == "llama"``: read and write.
+"""GGUF, llama.cpp's single-file model format, for ``general.architecture == "llama"`` (read and write) and
+``"qwen2"`` (read; a Llama with q/k/v biases, written back as a llama GGUF computing the same function).
 
 A GGUF holds key/value metadata (hyper-parameters under ``llama.*``, the tokenizer under ``tokenizer.*``) and
 named tensors, each stored as float (F32/F16/BF16) or in a block-quantized type. Reading and (de)quantization go
@@ -8,7 +9,9 @@ ours:
 * shapes are listed fastest dimension first (``[in_features, out_features]``); the ``gguf`` reader hands out
   numpy arrays in our ``[out_features, in_features]`` order already;
 * llama.cpp's RoPE rotates interleaved pairs, so ``convert_hf_to_gguf.py`` permutes the rows of ``attn_q`` /
-  ``attn_k`` (see :func:`minigpt.model.rope.half_to_interleaved`); import undoes it, export redoes it.
+  ``attn_k`` (see :func:`minigpt.model.rope.half_to_interleaved`); import undoes it, export redoes it. Not for
+  qwen2, whose RoPE rotates halves as ours does (llama.cpp's NEOX type): its rows are stored as they are, and its
+  metadata keys are ``qwen2.*`` instead of ``llama.*``.
 
 Dequantized types: every one the ``gguf`` package dequantizes (:data:`READ_TYPES`: F32, F16, BF16, Q4_0..Q8_0,
 Q2_K..Q6_K, the IQ and TQ types, MXFP4, NVFP4). Written types: F32, F16, BF16
@@ -27,6 +30,7 @@ import numpy as np
 import torch
 
 from minigpt.errors import MiniGPTError
+from minigpt.interop.gguf_header import check_header
 from minigpt.interop.hf import check_representable
 from minigpt.model.config import ModelConfig
 from minigpt.model.rope import half_to_interleaved, interleaved_to_half
@@ -60,6 +64,8 @@ _GGUF_GLOBAL = {v: k for k, v in _GLOBAL_KEYS.items()}
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
               "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0",
               "MXFP4", "NVFP4")
+# general.architecture values read (see the module docstring).
+READ_ARCHITECTURES = ("llama", "qwen2")
 WRITE_TYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "q8_0": "Q8_0"}
 
 
@@ -92,16 +98,28 @@ class GGUFFile:
     tensors: list  # gguf.ReaderTensor
 
 
+def _escape(text: str, limit: int = 200) -> str:
+    """``text`` cut to ``limit`` characters with newlines and other control characters escaped: key and tensor
+    names are the file's own text, and error messages stay on one line."""
+    return (text if len(text) <= limit else text[:limit] + "...").encode("unicode_escape").decode("ascii")
+
+
+def _brief(e: BaseException) -> str:
+    """``Type: message`` of an exception from the gguf package (whose messages quote key names), on one line."""
+    return _escape(f"{type(e).__name__}: {e}")
+
+
 def _open(path: str | Path):
     path = Path(path)
     if not path.is_file():
         raise MiniGPTError(f"GGUF file {path} does not exist")
+    check_header(path)
     from gguf import GGUFReader
 
     try:
         return GGUFReader(path)
     except ValueError as e:
-        message = str(e)
+        message = _brief(e)
         if "GGMLQuantizationType" in message:
             raise MiniGPTError(f"{path}: unknown GGUF quantization type ({message}); supported: "
                                f"{', '.join(READ_TYPES)}") from None
@@ -110,7 +128,7 @@ def _open(path: str | Path):
         # The gguf package reads nested arrays recursively; a crafted file nests them 100k deep.
         raise MiniGPTError(f"{path} is not a valid GGUF file: its metadata nests arrays too deeply to read") from None
     except (IndexError, KeyError, OSError, UnicodeDecodeError, OverflowError, MemoryError) as e:
-        raise MiniGPTError(f"{path} is not a valid GGUF file or is truncated ({type(e).__name__}: {e})") from None
+        raise MiniGPTError(f"{path} is not a valid GGUF file or is truncated ({_brief(e)})") from None
 
 
 def _metadata(reader) -> dict[str, Any]:
@@ -129,9 +147,21 @@ def _f32(value: Any) -> float:
 
 
 def _config(meta: dict[str, Any], tensor_names: set[str], where: str) -> ModelConfig:
+    """Our config from the ``llama.*`` metadata; raises :class:`MiniGPTError` for what it cannot describe, including
+    values of the wrong type (a string, list or NaN where a count belongs)."""
+    try:
+        return _read_config(meta, tensor_names, where)
+    except (ValueError, TypeError, ZeroDivisionError, OverflowError) as e:
+        raise MiniGPTError(f"{where}: invalid model hyper-parameters ({_brief(e)})") from None
+
+
+def _read_config(meta: dict[str, Any], tensor_names: set[str], where: str) -> ModelConfig:
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise MiniGPTError(f"{where}: unsupported GGUF architecture {arch!r}; supported: 'llama'")
+    if arch not in READ_ARCHITECTURES:
+        raise MiniGPTError(f"{where}: unsupported GGUF architecture {_escape(repr(arch))}; supported: "
+                           f"{', '.join(map(repr, READ_ARCHITECTURES))}")
+    if arch != "llama":  # the same hyper-parameters under the architecture's own prefix
+        meta = {**meta, **{f"llama.{k[len(arch) + 1:]}": v for k, v in meta.items() if k.startswith(f"{arch}.")}}
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"llama.{key}", default)
@@ -145,12 +175,12 @@ def _config(meta: dict[str, Any], tensor_names: set[str], where: str) -> ModelCo
         raise MiniGPTError(f"{where}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 scaling in GGUF form) "
                            "are not supported")
     dim, n_heads = get("embedding_length"), get("attention.head_count")
-    head_dim = meta.get("llama.attention.key_length") or meta.get("llama.rope.dimension_count") or dim // n_heads
-    if meta.get("llama.rope.dimension_count", head_dim) != head_dim:
-        raise MiniGPTError(f"{where}: partial rotary embeddings (rope.dimension_count < head size) are not supported")
     n_kv = get("attention.head_count_kv", n_heads)
     if isinstance(n_heads, list) or isinstance(n_kv, list):
         raise MiniGPTError(f"{where}: per-layer head counts are not supported")
+    head_dim = meta.get("llama.attention.key_length") or meta.get("llama.rope.dimension_count") or dim // n_heads
+    if meta.get("llama.rope.dimension_count", head_dim) != head_dim:
+        raise MiniGPTError(f"{where}: partial rotary embeddings (rope.dimension_count < head size) are not supported")
     scaling = None
     kind = meta.get("llama.rope.scaling.type", "none")
     if kind == "linear":
@@ -158,24 +188,29 @@ def _config(meta: dict[str, Any], tensor_names: set[str], where: str) -> ModelCo
     elif kind not in ("none", None):
         raise MiniGPTError(f"{where}: GGUF RoPE scaling type {kind!r} is not supported; supported: none, linear")
     vocab_size = meta.get("llama.vocab_size") or meta.get("tokenizer.ggml.token_count")
-    try:
-        return ModelConfig(
-            vocab_size=int(vocab_size) if vocab_size else 0,
-            dim=int(dim), n_layers=int(get("block_count")), n_heads=int(n_heads), n_kv_heads=int(n_kv),
-            head_dim=int(head_dim), hidden_dim=int(get("feed_forward_length")),
-            norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=_f32(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
-            max_seq_len=int(get("context_length")), tie_embeddings="output.weight" not in tensor_names,
-            attention_bias="blk.0.attn_q.bias" in tensor_names,
-        )
-    except ValueError as e:
-        raise MiniGPTError(f"{where}: invalid model hyper-parameters ({e})") from None
+    return ModelConfig(
+        vocab_size=int(vocab_size) if vocab_size else 0,
+        dim=int(dim), n_layers=int(get("block_count")), n_heads=int(n_heads), n_kv_heads=int(n_kv),
+        head_dim=int(head_dim), hidden_dim=int(get("feed_forward_length")),
+        norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=_f32(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
+        max_seq_len=int(get("context_length")), tie_embeddings="output.weight" not in tensor_names,
+        attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
+    )
+
+
+# What reading a crafted metadata value can raise inside the gguf package (bytes that are not UTF-8, a value of
+# another type than its key's, a scalar array read as a string).
+_VALUE_ERRORS = (UnicodeDecodeError, ValueError, TypeError, IndexError, KeyError, OverflowError)
 
 
 def read_gguf(path: str | Path) -> GGUFFile:
     """Open ``path`` and read its config and metadata (tensors are memory-mapped, not yet read)."""
     reader = _open(path)
-    meta = _metadata(reader)
+    try:
+        meta = _metadata(reader)
+    except _VALUE_ERRORS as e:
+        raise MiniGPTError(f"{path}: unreadable GGUF metadata ({_brief(e)})") from None
     names = {t.name for t in reader.tensors}
     if not meta.get("llama.vocab_size") and "token_embd.weight" in names:
         meta["llama.vocab_size"] = int(next(t for t in reader.tensors if t.name == "token_embd.weight").shape[-1])
@@ -190,19 +225,21 @@ def dequantize(tensor, where: str) -> torch.Tensor:
 
     kind = tensor.tensor_type.name
     if kind not in READ_TYPES:
-        raise MiniGPTError(f"{where}: tensor {tensor.name} has quantization type {kind}, which is not supported; "
-                           f"supported: {', '.join(READ_TYPES)}")
+        raise MiniGPTError(f"{where}: tensor {_escape(tensor.name)} has quantization type {kind}, which is not "
+                           f"supported; supported: {', '.join(READ_TYPES)}")
     try:
         values = quants.dequantize(tensor.data, tensor.tensor_type)
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
     except (ValueError, NotImplementedError) as e:
-        raise MiniGPTError(f"{where}: cannot dequantize {tensor.name} ({kind}): {e}") from None
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+        raise MiniGPTError(f"{where}: cannot dequantize {_escape(tensor.name)} ({kind}): {_brief(e)}") from None
 
 
 def read_gguf_weights(gf: GGUFFile) -> dict[str, torch.Tensor]:
-    """All tensors dequantized to float32 under our names, q/k rows permuted back to the rotate-half layout."""
+    """All tensors dequantized to float32 under our names, q/k rows permuted back to the rotate-half layout (llama);
+    qwen2's missing o-projection bias is zeros (our ``attention_bias`` layout has one; zeros compute the same)."""
     c, out, unknown = gf.config, {}, []
+    interleaved = gf.metadata.get("general.architecture") == "llama"
     for t in gf.tensors:
         try:
             key = from_gguf_key(t.name)
@@ -210,21 +247,34 @@ def read_gguf_weights(gf: GGUFFile) -> dict[str, torch.Tensor]:
             unknown.append(t.name)
             continue
         w = dequantize(t, str(gf.path))
-        if key.endswith(("attention.wq.weight", "attention.wq.bias")):
-            w = interleaved_to_half(w, c.n_heads)
-        elif key.endswith(("attention.wk.weight", "attention.wk.bias")):
-            w = interleaved_to_half(w, c.n_kv_heads)
+        heads = c.n_heads if ".wq." in key else c.n_kv_heads if ".wk." in key else None
+        if heads is not None:
+            # The permutation needs the rows the metadata implies; the load's shape check names other mismatches.
+            if w.shape[0] != heads * c.head_dim:
+                raise MiniGPTError(f"{gf.path}: tensor {_escape(t.name)} has {w.shape[0]} rows but the metadata "
+                                   f"implies {heads} heads x {c.head_dim}")
+            if interleaved:
+                w = interleaved_to_half(w, heads)
         out[key] = w
+    if not interleaved:
+        # Over the tensors present, not range(n_layers): the file's layer count is checked against them later.
+        for key in [k for k in out if k.endswith("attention.wo.weight")]:
+            out.setdefault(key.removesuffix("weight") + "bias", torch.zeros(c.dim))
     if unknown:
-        raise MiniGPTError(f"{gf.path}: tensors a Llama model does not have: {unknown[:5]}")
+        raise MiniGPTError(f"{gf.path}: tensors a Llama model does not have: {_escape(str(unknown[:5]))}")
     return out
 
 
 def read_vocab(path: str | Path) -> Optional[Vocab]:
     """The tokenizer table stored in a GGUF's ``tokenizer.*`` metadata, or None when it has none."""
     reader = _open(path)
-    f = reader.fields
+    try:
+        return _vocab(reader.fields, str(path))
+    except _VALUE_ERRORS as e:
+        raise MiniGPTError(f"{path}: unreadable GGUF tokenizer metadata ({_brief(e)})") from None
 
+
+def _vocab(f: dict, where: str) -> Optional[Vocab]:
     def value(key: str, default: Any = None) -> Any:
         return f[key].contents() if key in f else default
 
@@ -242,7 +292,7 @@ def read_vocab(path: str | Path) -> Optional[Vocab]:
         eot_id=value("tokenizer.ggml.eot_token_id"), eom_id=value("tokenizer.ggml.eom_token_id"),
         add_space_prefix=bool(value("tokenizer.ggml.add_space_prefix", True)),
         add_bos=bool(value("tokenizer.ggml.add_bos_token", model == "llama")),
-        chat_template=value("tokenizer.chat_template"), where=str(path),
+        chat_template=value("tokenizer.chat_template"), where=where,
     )
 
 
@@ -266,8 +316,9 @@ def write_gguf(
         raise MiniGPTError(f"GGUF type {dtype!r} is not supported for writing; choose one of {sorted(WRITE_TYPES)}")
 
     check_representable(config, "llama GGUF")
-    if config.bias:
-        raise MiniGPTError("FFN biases (ModelConfig.bias) cannot be written to a llama GGUF; attention_bias can")
+    if config.has_mlp_bias:
+        raise MiniGPTError("FFN biases (ModelConfig.bias / mlp_bias) cannot be written to a llama GGUF; "
+                           "attention_bias can")
     scaling = config.rope_scaling
     if scaling and scaling["type"] != "linear":
         raise MiniGPTError(f"RoPE scaling {scaling['type']!r} cannot be written to GGUF here; supported: none, linear")

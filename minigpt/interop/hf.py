@@ -4,12 +4,13 @@ Only this module (and the import/export modules built on it) speaks Hugging Face
 ``q_proj``...). Because our RoPE uses the same rotate-half layout as ``transformers``' Llama, the mapping is a pure
 rename: no tensor is permuted.
 
-Architectures read: ``LlamaForCausalLM``; ``MistralForCausalLM`` (a Llama whose only difference is sliding-window
-attention, so it is accepted only when the window covers the whole context); ``Qwen2ForCausalLM`` (a Llama with
-biases on q/k/v, loaded with ``attention_bias`` and a zero o bias; sliding window likewise refused);
-``MixtralForCausalLM`` (a Mistral whose every FFN is a top-k mixture of SwiGLU experts, :mod:`minigpt.model.moe`).
-Architectures written: ``LlamaForCausalLM``, and ``MixtralForCausalLM`` for models with experts on every layer and
-no shared expert. Mixtral tensors use the names of Mixtral's original checkpoints (``block_sparse_moe.gate``,
+Architectures read: ``LlamaForCausalLM`` (with ``attention_bias`` and/or ``mlp_bias``); ``MistralForCausalLM`` (a
+Llama without biases whose attention may slide: ``sliding_window``); ``Qwen2ForCausalLM`` (a Llama with biases on
+q/k/v, loaded with ``attention_bias`` and a zero o bias; its sliding window is read when every layer slides, and a
+mix of sliding and full layers is refused); ``MixtralForCausalLM`` (a Mistral whose every FFN is a top-k mixture of
+SwiGLU experts, :mod:`minigpt.model.moe`). Architectures written: ``LlamaForCausalLM``, ``MistralForCausalLM`` for
+dense models with a sliding window, and ``MixtralForCausalLM`` for models with experts on every layer and no
+shared expert. Mixtral tensors use the names of Mixtral's original checkpoints (``block_sparse_moe.gate``,
 ``block_sparse_moe.experts.{e}.w1/w2/w3``), which ``transformers`` 5 converts on load and writes back on save;
 the fused in-memory layout of ``transformers`` 5 (``mlp.experts.gate_up_proj`` / ``down_proj``) is read too.
 """
@@ -125,22 +126,32 @@ def architecture(hf: dict[str, Any]) -> str:
     return archs[0]
 
 
-def _sliding_window_check(hf: dict[str, Any], arch: str, context: int) -> None:
+def _sliding_window(hf: dict[str, Any], arch: str) -> Optional[int]:
+    """The attention window of a ``config.json`` as transformers applies it, or None for full causal attention.
+
+    Mistral and Mixtral slide in every layer when ``sliding_window`` is set; Llama never does. Qwen2 slides only
+    with ``use_sliding_window``, and then only in the layers ``layer_types`` marks (by default those from
+    ``max_window_layers`` on); one window for some layers and full attention in others is refused.
+    """
     window = hf.get("sliding_window")
+    if arch == "LlamaForCausalLM" or window is None:
+        return None
     if arch == "Qwen2ForCausalLM":
-        # Qwen2 slides only when use_sliding_window is set, and only in layers from max_window_layers on
-        # (transformers 5 spells the result out as layer_types).
-        if "layer_types" in hf and hf["layer_types"] is not None:
-            sliding = "sliding_attention" in hf["layer_types"]
-        else:
-            sliding = bool(hf.get("use_sliding_window")) and hf.get("max_window_layers", 0) < hf["num_hidden_layers"]
-        if not sliding:
-            return
-    if window is not None and window < context:
-        raise MiniGPTError(
-            f"{arch} with sliding-window attention (window {window} < context {context}) is not supported: MiniGPT "
-            "attends to the whole context; set sliding_window to null to use the model with full attention"
-        )
+        if not hf.get("use_sliding_window"):
+            return None  # transformers' Qwen2Config drops the window then
+        types = hf.get("layer_types")
+        if types:
+            n_sliding, n_layers = sum(t == "sliding_attention" for t in types), len(types)
+        else:  # counted, not listed: the file's layer count may be anything
+            n_layers = hf["num_hidden_layers"]
+            n_sliding = max(0, n_layers - hf.get("max_window_layers", 28))
+        if n_sliding == 0:
+            return None
+        if n_sliding < n_layers:
+            raise MiniGPTError(f"{arch} with sliding-window attention in {n_sliding} of {n_layers} layers is not "
+                               "supported: MiniGPT slides in every layer or none (set max_window_layers to 0 or "
+                               "use_sliding_window to false)")
+    return window
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
@@ -182,16 +193,14 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if hf.get("hidden_act", "silu") != "silu":
         raise MiniGPTError(f"hidden_act {hf['hidden_act']!r} is not supported; only 'silu' (SwiGLU)")
     context = hf.get("max_position_embeddings", 2048)
-    _sliding_window_check(hf, arch, context)
     theta, scaling = _rope_from_hf(hf)
     max_seq_len = context
     if scaling is not None and scaling["type"] == "dynamic":
         max_seq_len = int(context * scaling["factor"])
+    # Only Llama's config has bias switches; Qwen2 always has q/k/v biases, Mistral and Mixtral never any.
     attention_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
-    if arch == "Qwen2ForCausalLM":
-        attention_bias, mlp_bias = True, False
-    if mlp_bias and not attention_bias:
-        raise MiniGPTError("mlp_bias without attention_bias is not supported (MiniGPT's `bias` covers both)")
+    if arch != "LlamaForCausalLM":
+        attention_bias, mlp_bias = arch == "Qwen2ForCausalLM", False
     n_heads = hf["num_attention_heads"]
     moe: dict[str, Any] = {}
     if arch == "MixtralForCausalLM":
@@ -213,8 +222,10 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         rope_scaling=scaling,
         max_seq_len=max_seq_len,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        bias=mlp_bias,
+        bias=attention_bias and mlp_bias,
         attention_bias=attention_bias and not mlp_bias,
+        mlp_bias=mlp_bias and not attention_bias,
+        sliding_window=_sliding_window(hf, arch),
         **moe,
     )
 
@@ -223,8 +234,10 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 # which of the equivalent attention implementations runs, the router losses' weights).
 _REPRESENTED = {"vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "multiple_of",
                 "ffn_dim_multiplier", "norm_eps", "rope_theta", "rope_scaling", "max_seq_len", "tie_embeddings",
-                "dropout", "attention_dropout", "bias", "attention_bias", "attention_impl", "attention_block_size",
-                "router_aux_loss_coef", "router_z_loss_coef"}
+                "dropout", "attention_dropout", "bias", "attention_bias", "mlp_bias", "attention_impl",
+                "attention_block_size", "router_aux_loss_coef", "router_z_loss_coef"}
+# The architectures whose attention can slide (the same window in every layer).
+_SLIDING_TARGETS = ("MistralForCausalLM", "MixtralForCausalLM")
 # Mixture-of-experts fields: unused by a dense model (n_experts = 0); written by a Mixtral export.
 _MOE_FIELDS = {"n_experts", "n_experts_per_token", "n_shared_experts", "moe_every", "moe_hidden_dim"}
 
@@ -235,20 +248,28 @@ def check_representable(config: ModelConfig, target: str = "LlamaForCausalLM") -
 
     Any field not in the lists above must keep its default, so a feature added to :class:`ModelConfig` later is
     refused by the exporters until they learn to write it. Experts are accepted only by ``MixtralForCausalLM``, and
-    only in Mixtral's layout: an MoE on every layer (``moe_every=1``), no shared experts, no biases.
+    only in Mixtral's layout: an MoE on every layer (``moe_every=1``), no shared experts, no biases. A
+    ``sliding_window`` is accepted only by Mistral and Mixtral, which have no biases.
     """
     if config.n_experts:
         if target != "MixtralForCausalLM":
             raise MiniGPTError(f"n_experts={config.n_experts} (a mixture of experts) cannot be represented in a "
                                f"{target} export; the Hugging Face export writes such models as MixtralForCausalLM")
         layout = {"n_shared_experts": (config.n_shared_experts, 0), "moe_every": (config.moe_every, 1),
-                  "bias": (config.bias, False), "attention_bias": (config.attention_bias, False)}
+                  "bias": (config.bias, False), "attention_bias": (config.attention_bias, False),
+                  "mlp_bias": (config.mlp_bias, False)}
         for name, (value, needed) in layout.items():
             if value != needed:
                 raise MiniGPTError(f"{name}={value!r} cannot be represented in a {target} export (Mixtral needs "
                                    f"{name}={needed!r})")
+    if target == "MistralForCausalLM":
+        for name in ("bias", "attention_bias", "mlp_bias"):
+            if getattr(config, name):
+                raise MiniGPTError(f"{name}=True cannot be represented in a {target} export (Mistral has no biases; "
+                                   f"a sliding_window model is exported as Mistral)")
+    held = _REPRESENTED | _MOE_FIELDS | ({"sliding_window"} if target in _SLIDING_TARGETS else set())
     for f in dataclasses.fields(config):
-        if f.name in _REPRESENTED or f.name in _MOE_FIELDS:
+        if f.name in held:
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         if getattr(config, f.name) != default:
@@ -271,8 +292,8 @@ def rope_to_hf(config: ModelConfig) -> dict[str, Any]:
 
 
 def config_to_hf(config: ModelConfig, **extra: Any) -> dict[str, Any]:
-    """:class:`ModelConfig` -> a ``LlamaForCausalLM`` (or, with experts, ``MixtralForCausalLM``) ``config.json``
-    dict (``extra`` keys are merged in).
+    """:class:`ModelConfig` -> a ``LlamaForCausalLM`` (with experts ``MixtralForCausalLM``, with a sliding window
+    ``MistralForCausalLM``) ``config.json`` dict (``extra`` keys are merged in).
 
     Written with both ``rope_parameters`` (transformers >= 5) and, when scaled, the equivalent ``rope_scaling``
     (transformers 4.x, vLLM). Dynamic NTK puts the original context in ``max_position_embeddings`` (see
@@ -280,7 +301,8 @@ def config_to_hf(config: ModelConfig, **extra: Any) -> dict[str, Any]:
     """
     if config.n_experts:
         return _mixtral_config(config, **extra)
-    check_representable(config)
+    mistral = config.sliding_window is not None
+    check_representable(config, "MistralForCausalLM" if mistral else "LlamaForCausalLM")
     rope = rope_to_hf(config)
     context = config.max_seq_len
     if config.rope_scaling and config.rope_scaling["type"] == "dynamic":
@@ -301,9 +323,13 @@ def config_to_hf(config: ModelConfig, **extra: Any) -> dict[str, Any]:
         "max_position_embeddings": context,
         "tie_word_embeddings": config.tie_embeddings,
         "attention_bias": config.has_attention_bias,
-        "mlp_bias": config.bias,
+        "mlp_bias": config.has_mlp_bias,
         "hidden_act": "silu",
     }
+    if mistral:
+        for key in ("attention_bias", "mlp_bias"):  # Mistral has no biases (checked above)
+            d.pop(key)
+        d.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=config.sliding_window)
     if config.rope_scaling:
         d["rope_scaling"] = dict(rope)
     d.update(extra)
@@ -314,7 +340,7 @@ def _mixtral_config(config: ModelConfig, **extra: Any) -> dict[str, Any]:
     check_representable(config, "MixtralForCausalLM")
     d = config_to_hf(dataclasses.replace(config, n_experts=0, hidden_dim=config.moe_hidden_dim))
     for key in ("attention_bias", "mlp_bias"):  # Mixtral has no biases (checked above)
-        d.pop(key)
+        d.pop(key, None)
     d.update({
         "architectures": ["MixtralForCausalLM"],
         "model_type": "mixtral",
@@ -322,7 +348,7 @@ def _mixtral_config(config: ModelConfig, **extra: Any) -> dict[str, Any]:
         "num_experts_per_tok": config.n_experts_per_token,
         "router_aux_loss_coef": config.router_aux_loss_coef / config.n_experts_per_token,  # see config_from_hf
         "router_jitter_noise": 0.0,
-        "sliding_window": None,
+        "sliding_window": config.sliding_window,
     })
     d.update(extra)
     return d

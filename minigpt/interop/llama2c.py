@@ -18,6 +18,7 @@ The int8 version 2 is not supported.
 """
 from __future__ import annotations
 
+import math
 import struct
 from pathlib import Path
 from typing import Optional
@@ -97,7 +98,8 @@ def read_llama2c(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]
     except (ValueError, ZeroDivisionError) as e:
         raise MiniGPTError(f"{path} does not have a valid llama2.c header ({e})") from None
     layout = _layout(config, version, shared)
-    expected = offset + 4 * sum(int(np.prod(shape)) for _, shape in layout)
+    # Python integers (math.prod), not numpy's int64: a header's dimensions may multiply past 2^63.
+    expected = offset + 4 * sum(math.prod(shape) for _, shape in layout)
     if size < expected:
         raise MiniGPTError(f"{path} is truncated: the header implies {expected} bytes but the file has {size}")
     if size > expected:
@@ -107,7 +109,7 @@ def read_llama2c(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]
     sd: dict[str, torch.Tensor] = {}
     pos = 0
     for name, shape in layout:
-        n = int(np.prod(shape))
+        n = math.prod(shape)
         array = torch.from_numpy(np.array(data[pos:pos + n], dtype=np.float32).reshape(shape))
         pos += n
         if name.startswith("-"):

@@ -12,7 +12,7 @@ def idle_expert_parameters(config: ModelConfig) -> int:
         return 0
     gated = config.ffn in ("swiglu", "geglu")
     per_expert = (3 if gated else 2) * config.dim * config.moe_hidden_dim
-    if config.bias:
+    if config.has_mlp_bias:
         per_expert += (2 if gated else 1) * config.moe_hidden_dim + config.dim
     return config.n_moe_layers * (config.n_experts - config.n_experts_per_token) * per_expert
 

@@ -9,6 +9,10 @@ the same numbers (to float rounding): ``sdpa`` (PyTorch's fused kernel, the defa
 formula, materialising the ``[q_len, kv_len]`` scores) and ``flash_reference`` (the tiled online softmax of
 :mod:`minigpt.model.flash_reference`). With ``pos_encoding="alibi"`` the ALiBi bias (:mod:`minigpt.model.positions`) is added
 to the scores and no rotation is applied.
+
+``ModelConfig.sliding_window`` (Mistral; Beltagy et al. 2020, "Longformer") narrows the causal mask to a band: a
+query at position ``i`` sees the keys at ``i - sliding_window < j <= i``, the rule of ``transformers``'
+``sliding_window_causal_mask_function``. The KV cache keeps every position; the band is applied by the mask alone.
 """
 from __future__ import annotations
 
@@ -26,21 +30,31 @@ from minigpt.model.positions import Alibi
 from minigpt.model.rope import rope_rotate, signed_sine
 
 
-def causal_mask(q_len: int, kv_len: int, device: torch.device | None = None) -> torch.Tensor:
+def causal_mask(q_len: int, kv_len: int, device: torch.device | None = None,
+                window: Optional[int] = None) -> torch.Tensor:
     """Boolean mask ``[q_len, kv_len]``, True where attention is allowed.
 
     The queries are the last ``q_len`` positions of ``kv_len``: query ``i`` sits at absolute position
-    ``kv_len - q_len + i`` and may see keys ``0 .. kv_len - q_len + i`` (the cached prefix and itself).
+    ``p = kv_len - q_len + i`` and may see keys ``0 .. p`` (the cached prefix and itself), or with a sliding
+    ``window`` only the keys ``p - window < j <= p``.
     """
     offset = kv_len - q_len
     q_pos = torch.arange(q_len, device=device)[:, None] + offset
     k_pos = torch.arange(kv_len, device=device)[None, :]
-    return k_pos <= q_pos
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed = allowed & (k_pos > q_pos - window)
+    return allowed
 
 
-def padded_causal_mask(attention_mask: torch.Tensor, q_len: int) -> torch.Tensor:
+def padded_causal_mask(attention_mask: torch.Tensor, q_len: int, window: Optional[int] = None) -> torch.Tensor:
     """Boolean mask ``[batch, 1, q_len, kv_len]`` from a padding mask ``attention_mask`` ``[batch, kv_len]``
     (1 = real token, 0 = padding): causal, and no query sees a padding key.
+
+    With a sliding ``window`` a query also sees no key ``window`` or more *real tokens* before it: distances are
+    counted in positions (``cumsum(attention_mask)``), not cache columns, because the serving engine leaves padding
+    columns between a row's cached tokens and its new one. For left padding both counts agree, so this is
+    ``transformers``' rule (which counts cache positions).
 
     A padding query would then see no key at all, and SDPA turns an all-masked row into NaN, which would leak into
     the real rows through ``0 * NaN`` in ``softmax @ V`` of later layers; so every query may always see itself.
@@ -48,6 +62,9 @@ def padded_causal_mask(attention_mask: torch.Tensor, q_len: int) -> torch.Tensor
     """
     kv_len = attention_mask.shape[1]
     allowed = causal_mask(q_len, kv_len, attention_mask.device)[None, None] & attention_mask.bool()[:, None, None, :]
+    if window is not None:
+        real = attention_mask.long().cumsum(-1)  # 1 + the position of each real token
+        allowed = allowed & (real[:, None, None, :] > real[:, None, -q_len:, None] - window)
     q_pos = torch.arange(q_len, device=attention_mask.device)[:, None] + (kv_len - q_len)
     itself = q_pos == torch.arange(kv_len, device=attention_mask.device)[None, :]
     return allowed | itself
@@ -100,6 +117,7 @@ class Attention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.impl = config.attention_impl
         self.block_size = config.attention_block_size
+        self.window = config.sliding_window
         bias = config.has_attention_bias
         self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=bias)
         self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=bias)
@@ -123,8 +141,9 @@ class Attention(nn.Module):
 
         With ``kv_cache``, this call's keys/values are written at ``start_pos`` and the queries attend to the whole
         cached prefix; without it, ``start_pos`` must be 0. ``mask`` (boolean ``[batch, 1, seq_len, kv_len]``, True =
-        may attend, from :func:`padded_causal_mask`) replaces the plain causal mask. ``alibi`` (ALiBi models) holds
-        the slopes and the absolute position of every key.
+        may attend, from :func:`padded_causal_mask`) replaces the plain causal mask, and must already hold the
+        sliding window of a ``sliding_window`` model (without ``mask`` the window is applied here). ``alibi`` (ALiBi
+        models) holds the slopes and the absolute position of every key.
         """
         batch, seq_len, _ = x.shape
         q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
@@ -139,6 +158,9 @@ class Attention(nn.Module):
             k, v = kv_cache.update(self.layer_id, start_pos, k, v)
         elif start_pos != 0:
             raise ValueError("start_pos > 0 needs a kv_cache holding the earlier positions")
+        if mask is None and self.window is not None and k.shape[2] > self.window:
+            # Only once the keys reach past the window does the band hide any of them.
+            mask = causal_mask(seq_len, k.shape[2], x.device, self.window)
 
         if self.impl != "sdpa" or alibi is not None:
             out = self._attend_variant(q, k, v, mask, alibi)

@@ -59,7 +59,8 @@ class ModelConfig:
 
     Architecture variants (the defaults are Llama's, and a default config builds exactly the model it always did):
     ``pos_encoding``, ``norm``, ``norm_position``, ``ffn``, ``attention_impl`` (all three implementations compute
-    the same function), and a mixture of experts when ``n_experts > 0`` (see :mod:`minigpt.model.moe`).
+    the same function), ``sliding_window`` (Mistral's local attention, :mod:`minigpt.model.attention`), and a
+    mixture of experts when ``n_experts > 0`` (see :mod:`minigpt.model.moe`).
     Raises ``ValueError`` naming the bad field and the fix.
     """
 
@@ -82,6 +83,11 @@ class ModelConfig:
     # Biases on the q/k/v/o projections only, as Hugging Face Llama's `attention_bias`. Qwen2 has q/k/v biases but
     # none on o: minigpt.interop.hf loads those models with a zero o bias, which computes exactly the same function.
     attention_bias: bool = False
+    # Biases on the FFN projections only, as Hugging Face Llama's `mlp_bias` (`bias` sets both kinds at once).
+    mlp_bias: bool = False
+    # Sliding-window attention (Mistral; Beltagy et al. 2020, "Longformer"): a query at position i sees the keys at
+    # positions j with i - sliding_window < j <= i, itself included. None = the whole causal prefix.
+    sliding_window: Optional[int] = None
     # RoPE context extension, e.g. {"type": "yarn", "factor": 4.0, "original_max_seq_len": 2048}; None = plain
     # RoPE. Keys and formulas: minigpt.model.rope.ROPE_SCALING_KEYS.
     rope_scaling: Optional[dict[str, Any]] = None
@@ -132,6 +138,10 @@ class ModelConfig:
         if not isinstance(self.hidden_dim, int) or self.hidden_dim <= 0:
             raise ValueError(f"ModelConfig.hidden_dim must be a positive integer, got {self.hidden_dim!r}")
         self._check_moe()
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
+                                                or isinstance(self.sliding_window, bool) or self.sliding_window <= 0):
+            raise ValueError(f"ModelConfig.sliding_window must be a positive integer (keys per query, itself "
+                             f"included) or None for full causal attention, got {self.sliding_window!r}")
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"ModelConfig.{name} must be in [0, 1), got {getattr(self, name)!r}")
@@ -193,6 +203,11 @@ class ModelConfig:
     def has_attention_bias(self) -> bool:
         """True when the attention projections carry biases (``bias`` or ``attention_bias``)."""
         return self.bias or self.attention_bias
+
+    @property
+    def has_mlp_bias(self) -> bool:
+        """True when the FFN projections (dense FFNs and experts) carry biases (``bias`` or ``mlp_bias``)."""
+        return self.bias or self.mlp_bias
 
     @property
     def n_rep(self) -> int:

@@ -79,11 +79,12 @@ class MoE(nn.Module):
         self.z_coef = config.router_z_loss_coef
         self.router = nn.Linear(config.dim, config.n_experts, bias=False)
         self.experts = nn.ModuleList(
-            build_ffn(config.ffn, config.dim, config.moe_hidden_dim, config.bias) for _ in range(config.n_experts))
+            build_ffn(config.ffn, config.dim, config.moe_hidden_dim, config.has_mlp_bias)
+            for _ in range(config.n_experts))
         self.shared = None
         if config.n_shared_experts:
             self.shared = build_ffn(config.ffn, config.dim, config.n_shared_experts * config.moe_hidden_dim,
-                                    config.bias)
+                                    config.has_mlp_bias)
         self.dropout = nn.Dropout(config.dropout)
         self.aux_loss: Optional[torch.Tensor] = None
         self.stats: dict[str, torch.Tensor] = {}

@@ -24,6 +24,12 @@ from minigpt.model.norm import LayerNorm, RMSNorm, build_norm
 from minigpt.model.positions import Alibi, alibi_slopes, sinusoidal_table
 from minigpt.model.rope import RopeScaling, rope_tables
 
+# Rows of the position tables (RoPE ``rope_cos``/``rope_sin``, the sinusoidal ``pos_table``) computed with the
+# model. Longer contexts grow them on demand (:meth:`Transformer.ensure_positions`), so a file's context claim (a
+# llama2.c header may say 2^31 - 1 positions) never sizes an allocation, while every context up to 32k keeps its
+# whole table from the start: readers of the tables (the inference fast path, packing) see all their rows.
+EAGER_POSITIONS = 1 << 15
+
 
 def pre_norm_residual(h: torch.Tensor, attention_norm: Callable, attention: Callable, ffn_norm: Callable,
                       feed_forward: Callable, last_only: bool = False) -> torch.Tensor:
@@ -55,7 +61,8 @@ class Block(nn.Module):
         if config.is_moe_layer(layer_id):
             self.feed_forward = MoE(config)
         else:
-            self.feed_forward = build_ffn(config.ffn, config.dim, config.hidden_dim, config.bias, config.dropout)
+            self.feed_forward = build_ffn(config.ffn, config.dim, config.hidden_dim, config.has_mlp_bias,
+                                          config.dropout)
         self.post_norm = config.norm_position == "post"
 
     def forward(self, x, cos, sin, start_pos=0, kv_cache=None, mask=None, alibi=None):
@@ -105,21 +112,46 @@ class Transformer(nn.Module):
     def init_rope(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the position buffers derived from the config, on ``device``: RoPE frequencies and
         ``cos``/``sin`` tables, the sinusoidal table, or the ALiBi slopes, whichever ``pos_encoding`` uses.
+        The tables hold the first ``min(max_seq_len, EAGER_POSITIONS)`` positions (see :meth:`ensure_positions`).
 
         Called again after building a model on the meta device, whose tables would otherwise be empty.
         """
         c = self.config
         self.rope = None
+        rows = min(c.max_seq_len, EAGER_POSITIONS)
         # Non-persistent buffers: derived from the config, so they never enter a checkpoint.
         if c.pos_encoding == "rope":
             self.rope = RopeScaling(c.head_dim, c.rope_theta, c.rope_scaling, c.max_seq_len)
-            cos, sin = rope_tables(c.head_dim, c.max_seq_len, c.rope_theta, c.rope_scaling)
+            cos, sin = rope_tables(c.head_dim, rows, c.rope_theta, c.rope_scaling)
             self.register_buffer("rope_cos", cos.to(device), persistent=False)
             self.register_buffer("rope_sin", sin.to(device), persistent=False)
         elif c.pos_encoding == "sinusoidal":
-            self.register_buffer("pos_table", sinusoidal_table(c.max_seq_len, c.dim).to(device), persistent=False)
+            self.register_buffer("pos_table", sinusoidal_table(rows, c.dim).to(device), persistent=False)
         elif c.pos_encoding == "alibi":
             self.register_buffer("alibi_slopes", alibi_slopes(c.n_heads).to(device), persistent=False)
+
+    def ensure_positions(self, end: int) -> None:
+        """Grow the position tables to cover positions ``[0, end)`` (``end <= max_seq_len``); a no-op when they do.
+
+        Rows are appended, doubling the table (capped at ``max_seq_len``), so the rows already there keep their
+        bits, and the new ones are computed by the same formula in the tables' current dtype and device.
+        """
+        c = self.config
+        name = "rope_cos" if self.rope is not None else "pos_table" if c.pos_encoding == "sinusoidal" else None
+        have = 0 if name is None else getattr(self, name).shape[0]
+        if name is None or end <= have:
+            return
+        rows = min(c.max_seq_len, max(end, 2 * have))
+        old = getattr(self, name)
+        # Ordinary tensors even under inference_mode (generate runs there): a training step after a generation
+        # must be able to save them for backward.
+        with torch.inference_mode(False), torch.no_grad():
+            if self.rope is not None:
+                cos, sin = self.rope.tables(torch.arange(have, rows, device=old.device))
+                self.rope_cos = torch.cat((self.rope_cos, cos.to(old.dtype)))
+                self.rope_sin = torch.cat((self.rope_sin, sin.to(old.dtype)))
+            else:
+                self.pos_table = torch.cat((old, sinusoidal_table(rows, c.dim)[have:].to(old)))
 
     def reset_parameters(self) -> None:
         """GPT-2 initialisation (Radford et al. 2019): N(0, 0.02) everywhere, the projections that write into the
@@ -173,6 +205,7 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"sequence of {end} positions exceeds the model's max_seq_len {self.config.max_seq_len}"
             )
+        self.ensure_positions(end)
         if self.rope is None:
             return self._forward_variant(tokens, start_pos, kv_cache, attention_mask)
         mask = None
@@ -188,7 +221,7 @@ class Transformer(nn.Module):
                                  "(batch, cached + new tokens)")
             positions = positions_from_mask(attention_mask, start_pos, seq_len)
             cos, sin = self._rope_at(positions)
-            mask = padded_causal_mask(attention_mask, seq_len)
+            mask = padded_causal_mask(attention_mask, seq_len, self.config.sliding_window)
         h = self.dropout(self.tok_embeddings(tokens))
         for layer in self.layers:
             h = layer(h, cos, sin, start_pos, kv_cache, mask)
@@ -209,7 +242,7 @@ class Transformer(nn.Module):
                                  "(batch, cached + new tokens)")
             key_positions = positions_from_mask(attention_mask, 0, end)  # [batch, end]
             positions = key_positions[:, start_pos:]
-            mask = padded_causal_mask(attention_mask, seq_len)
+            mask = padded_causal_mask(attention_mask, seq_len, self.config.sliding_window)
         h = self.tok_embeddings(tokens)
         if c.pos_encoding == "learned":
             h = h + self.pos_embeddings(positions)

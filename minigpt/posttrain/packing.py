@@ -14,16 +14,22 @@ The logits at every real token then equal those of the conversation run alone (t
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from minigpt.errors import MiniGPTError
 
 
-def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+def document_mask(doc_ids: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
     """Boolean ``[batch, 1, seq_len, seq_len]``, True where query ``i`` may attend to key ``j``: ``j <= i`` and both
-    in the same document. ``doc_ids`` ``[batch, seq_len]`` (int) labels each token's document."""
+    in the same document (and, with a sliding ``window``, ``j > i - window``: a document's tokens are contiguous,
+    so column distance is position distance). ``doc_ids`` ``[batch, seq_len]`` (int) labels each token's
+    document."""
     seq_len = doc_ids.shape[1]
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=doc_ids.device).tril()
+    if window is not None:
+        causal = causal.triu(1 - window)
     return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
 
 
@@ -41,9 +47,10 @@ def packed_forward(model, tokens: torch.Tensor, position_ids: torch.Tensor, doc_
         raise MiniGPTError("packing is not supported with dynamic-NTK RoPE scaling; use padded batches (--no-pack)")
     if int(position_ids.max()) >= model.config.max_seq_len:
         raise MiniGPTError(f"a packed position exceeds the model's max_seq_len {model.config.max_seq_len}")
+    model.ensure_positions(int(position_ids.max()) + 1)  # the tables grow lazily (Transformer.ensure_positions)
     cos = model.rope_cos[position_ids][:, None]  # [batch, 1, seq_len, head_dim]
     sin = model.rope_sin[position_ids][:, None]
-    mask = document_mask(doc_ids)
+    mask = document_mask(doc_ids, model.config.sliding_window)
     h = model.dropout(model.tok_embeddings(tokens))
     for layer in model.layers:
         h = layer(h, cos, sin, 0, None, mask)

@@ -11,6 +11,11 @@
 * ``manifest.json``: size and SHA-256 of every file, checked before resuming.
 
 Checkpoints are only taken at optimizer-step boundaries, so the gradient-accumulation position is always 0.
+
+Crash safety: a new checkpoint is complete and fsynced under its final name, then ``latest`` is pointed at it
+(fsynced), and only then are older checkpoints pruned, each renamed aside before it is deleted. A process killed at
+any point leaves at least one complete checkpoint; :func:`remove_stale_temporaries` (run before every start)
+finishes or undoes what it was doing.
 """
 from __future__ import annotations
 
@@ -121,12 +126,8 @@ def save(out_dir: Path, model, optimizer, tokenizer, state: dict[str, Any], rank
                 write_model_files(model, tmp, tokenizer)
             torch.save({**state, "world_size": info.world_size, "ranks": ranks}, tmp / "trainer_state.pt")
             commit_atomic_dir(tmp, final)
-            latest_tmp = out_dir / ".latest.tmp"
-            latest_tmp.write_text(str(final.relative_to(out_dir)) + "\n")
-            os.replace(latest_tmp, out_dir / "latest")
-            done = sorted(p for p in (out_dir / "checkpoints").glob("step_*") if p.is_dir())
-            for old in done[:-keep] if keep > 0 else []:
-                shutil.rmtree(old, ignore_errors=True)
+            point_latest(out_dir, final)
+            prune(out_dir, final, keep)
         dist_mod.barrier(info)
     except (OSError, CheckpointException) as e:
         if tmp is not None and info.is_main:
@@ -138,21 +139,108 @@ def save(out_dir: Path, model, optimizer, tokenizer, state: dict[str, Any], rank
     return final
 
 
+def _fsync(path: Path) -> None:
+    """fsync a file or directory (a directory's fsync makes the renames inside it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def point_latest(out_dir: Path, ckpt: Path) -> None:
+    """Atomically and durably make ``out_dir/latest`` name ``ckpt``: write a temporary file, fsync it, rename it
+    over ``latest``, fsync the directory (so a crash never leaves ``latest`` empty or pointing at a pruned one)."""
+    tmp = out_dir / ".latest.tmp"
+    with open(tmp, "w") as f:
+        f.write(str(ckpt.relative_to(out_dir)) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out_dir / "latest")
+    _fsync(out_dir)
+
+
+def checkpoint_step(path: Path) -> Optional[int]:
+    """The step of a ``step_N`` directory (None for any other name)."""
+    number = path.name.removeprefix("step_")
+    return int(number) if path.name.startswith("step_") and number.isdigit() else None
+
+
+def prune(out_dir: Path, newest: Path, keep: int) -> None:
+    """Delete older checkpoints so that ``keep`` remain, ``newest`` (just written and fsynced) among them
+    (``keep <= 0``: keep all). Checkpoints of later steps than ``newest`` (left by a run resumed from an earlier
+    one) are not counted and not touched.
+
+    Each one is renamed to a hidden ``.step_N.trash-PID`` first, atomically, so a crash mid-deletion leaves no
+    half-deleted ``step_N`` behind (:func:`remove_stale_temporaries` deletes the rest). A failure to delete is a
+    one-line warning: the new checkpoint is already safe.
+    """
+    if keep <= 0:
+        return
+    step = checkpoint_step(newest)
+    steps = {p: checkpoint_step(p) for p in (out_dir / "checkpoints").glob("step_*") if p.is_dir()}
+    older = sorted((p for p, n in steps.items() if n is not None and n < step), key=steps.__getitem__)
+    for old in older[:max(0, len(older) - (keep - 1))]:
+        try:
+            trash = old.with_name(f".{old.name}.trash-{os.getpid()}")
+            old.rename(trash)
+            shutil.rmtree(trash)
+        except OSError as e:
+            print(f"warning: could not delete old checkpoint {old} ({e.strerror or e})", file=sys.stderr)
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """On resume, keep the rows of ``metrics.jsonl`` logged at or before ``step`` (the checkpoint's), so that no
+    step appears twice; the file is replaced atomically.
+
+    A torn last line (the process died while appending it) is dropped with a one-line warning. Any other line
+    that is not a JSON object with a ``step`` raises :class:`MiniGPTError` naming it.
+    """
+    lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    kept = []
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+            row_step = row["step"] if isinstance(row, dict) else None
+        except (json.JSONDecodeError, KeyError):
+            row_step = None
+        if not isinstance(row_step, int):
+            if i == len(lines) - 1:
+                print(f"warning: dropping the torn last line of {path} (the run stopped while writing it)",
+                      file=sys.stderr)
+                break
+            raise MiniGPTError(f"{path} line {i + 1} is not a metrics row (a JSON object with a step); repair or "
+                               "delete the file to resume")
+        if row_step <= step:
+            kept.append(line + "\n")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def _config_json(model) -> str:
     return json.dumps({"format": FORMAT, **model.config.to_dict()}, indent=2) + "\n"
 
 
 def remove_stale_temporaries(out_dir: Path) -> None:
-    """Delete half-written checkpoint directories left by a process that was killed mid-write (they are never
-    read: :func:`find_latest` only considers complete ``step_*`` directories)."""
-    for tmp in (out_dir / "checkpoints").glob(".step_*"):
-        shutil.rmtree(tmp, ignore_errors=True)
+    """Clean up after a process killed while writing or pruning checkpoints: delete half-written
+    (``.step_N.tmp-PID``) and half-deleted (``.step_N.trash-PID``) directories, which are never read
+    (:func:`find_latest` only considers ``step_*``), and put back a complete checkpoint that was being replaced by
+    a new one of the same step (``.step_N.old-PID``, see :func:`~minigpt.checkpoint.atomic.commit_atomic_dir`)
+    when the replacement never took its place."""
+    for tmp in sorted((out_dir / "checkpoints").glob(".step_*")):
+        final = tmp.with_name(tmp.name[1:].split(".")[0])  # ".step_0000010.old-123" -> "step_0000010"
+        if ".old-" in tmp.name and not final.exists():
+            tmp.rename(final)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def find_latest(out_dir: Path) -> Optional[Path]:
     """Newest checkpoint that passes its manifest check; each corrupt or incomplete one is reported in one line
     and skipped, so a crash during a write falls back to the previous good checkpoint."""
-    candidates = sorted((p for p in (out_dir / "checkpoints").glob("step_*") if p.is_dir()), reverse=True)
+    candidates = sorted((p for p in (out_dir / "checkpoints").glob("step_*")
+                         if p.is_dir() and checkpoint_step(p) is not None), key=checkpoint_step, reverse=True)
     for ckpt in candidates:
         try:
             verify_manifest(ckpt)

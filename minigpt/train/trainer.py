@@ -283,9 +283,7 @@ class Trainer:
             self.step, self.tokens_seen, self.train_time = state["step"], state["tokens"], state["train_time"]
             self.warmup_end_time = state.get("warmup_end_time")
             if main and self.metrics_path.is_file():  # drop rows logged after the checkpoint: no step appears twice
-                rows = [r for r in self.metrics_path.read_text().splitlines()
-                        if r.strip() and json.loads(r)["step"] <= self.step]
-                self.metrics_path.write_text("".join(r + "\n" for r in rows))
+                train_state.truncate_metrics(self.metrics_path, self.step)
             say(f"resumed from {resume_from} at step {self.step}", flush=True)
         elif main and self.metrics_path.exists():
             self.metrics_path.unlink()

@@ -198,3 +198,23 @@ def test_batch_errors_are_clear():
         generate_batch(model, [[1]], greedy(4).replace(stop=("x",)))
     with pytest.raises(MiniGPTError, match="context"):
         generate_batch(model, [[1] * 60, [2]], greedy(10))
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_fast_path_grows_the_lazy_rope_tables(monkeypatch, compile):
+    """Models keep RoPE rows for the first EAGER_POSITIONS positions and grow them on demand; the fast path copies
+    the tables at build time, so it must grow them too (prefill past them, and a compiled step's cache)."""
+    from minigpt.model import transformer
+
+    monkeypatch.setattr(transformer, "EAGER_POSITIONS", 16)
+    model = make(max_seq_len=64)
+    assert model.rope_cos.shape[0] == 16
+    tokens = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ref = model(tokens)
+        fast = FastPath(model, compile=compile)
+        cache = fast.new_kv_cache(1, 48)
+        got = fast(tokens[:, :39], 0, cache)
+        step = fast.decode_step(tokens[:, 39:40], 39, cache)
+    torch.testing.assert_close(got, ref[:, :39], atol=1e-5, rtol=0)
+    torch.testing.assert_close(step, ref[:, 39], atol=1e-5, rtol=0)

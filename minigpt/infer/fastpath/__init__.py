@@ -50,7 +50,7 @@ kernels per token:
   Compile time is measured (:attr:`FastPath.compile_seconds`, the first call of each new shape).
 
 Architectures outside the fast path (non-RoPE positions, LayerNorm, post-norm, mixture of experts, dynamic NTK
-RoPE) are run through the model's own ``forward``: :func:`supports` says which.
+RoPE, a sliding attention window shorter than the context) are run through the model's own ``forward``: :func:`supports` says which.
 
 The block is the model's (:func:`~minigpt.model.transformer.pre_norm_residual` with
 :func:`~minigpt.model.norm.rms_norm`, :func:`~minigpt.model.rope.rope_rotate` and

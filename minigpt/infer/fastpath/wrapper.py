@@ -41,6 +41,8 @@ def supports(config: ModelConfig) -> Optional[str]:
         return "mixture of experts"
     if config.rope_scaling and config.rope_scaling.get("type") == "dynamic":
         return "dynamic RoPE scaling"
+    if config.sliding_window is not None and config.sliding_window < config.max_seq_len:
+        return "sliding-window attention"
     return None
 
 
@@ -141,8 +143,20 @@ class FastPath(nn.Module):
         if self.compiled:
             length = min(self.config.max_seq_len, -(-length // CACHE_BUCKET) * CACHE_BUCKET)
         c = self.config
+        self._ensure_rope(length)
         return LayerKVCache(c.n_layers, batch_size, c.n_kv_heads, length, c.head_dim, dtype or self.act_dtype,
                             self.device)
+
+    def _ensure_rope(self, end: int) -> None:
+        """Grow the RoPE tables to ``end`` positions when the model's lazily sized tables
+        (:meth:`Transformer.ensure_positions`) stop short; a compiled step captured the old tables, so it is
+        compiled again."""
+        if end <= self.cos.shape[0]:
+            return
+        self.model.ensure_positions(end)
+        self.cos = self.model.rope_cos.to(ACT_DTYPE)
+        self.sin_signed = signed_sine(self.model.rope_sin).to(ACT_DTYPE)
+        self._step_fn, self._compiled_shapes = None, set()
 
     @property
     def act_dtype(self) -> torch.dtype:
@@ -175,6 +189,7 @@ class FastPath(nn.Module):
         end = start_pos + seq_len
         if end > self.config.max_seq_len:
             raise ValueError(f"sequence of {end} positions exceeds the model's max_seq_len {self.config.max_seq_len}")
+        self._ensure_rope(end)
         if attention_mask is not None and tuple(attention_mask.shape) != (batch, end):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(batch, end)} "
                              "(batch, cached + new tokens)")
