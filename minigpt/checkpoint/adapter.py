@@ -254,12 +254,14 @@ def _attach(model: nn.Module, hf_name: str, ab: dict[str, torch.Tensor], config:
     return name
 
 
-def load_merged(source: str | Path, adapter: str | Path, device: str | torch.device = "cpu",
+def load_merged(source: str | Path, adapter: str | Path | None = None, device: str | torch.device = "cpu",
                 dtype: Optional[torch.dtype] = None) -> nn.Module:
     """The model at ``source`` (anything :func:`~minigpt.checkpoint.native.load_model` reads) with the PEFT adapter
     folder ``adapter`` applied and merged (``W + B A * lora_alpha / r``), in eval mode: what ``generate``, ``chat``,
-    ``serve`` and ``lora merge`` run. Raises :class:`MiniGPTError` for an unreadable adapter or one made for another
-    base (shape mismatch)."""
+    ``serve`` and ``lora merge`` run; ``adapter`` None loads the model as it is. Raises :class:`MiniGPTError` for
+    an unreadable adapter or one made for another base (shape mismatch)."""
+    if adapter is None:
+        return load_model(source, device=device, dtype=dtype)
     model = load_model(source, device=device)
     load_adapter(model, adapter)
     merge_lora(model)

@@ -43,7 +43,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minigpt.checkpoint.adapter import load_merged
-from minigpt.checkpoint.native import load_chat_template, load_model, load_tokenizer, resolve_checkpoint
+from minigpt.checkpoint.native import load_chat_template, load_tokenizer, resolve_checkpoint
 from minigpt.errors import MiniGPTError
 from minigpt.infer.engine import Engine
 from minigpt.infer.metrics import CONTENT_TYPE
@@ -440,10 +440,7 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optio
     import uvicorn
 
     ckpt = resolve_checkpoint(source)
-    if adapter is not None:
-        model = load_merged(ckpt, adapter, device=pick_device(device), dtype=DTYPES[dtype])
-    else:
-        model = load_model(ckpt, device=pick_device(device), dtype=DTYPES[dtype])
+    model = load_merged(ckpt, adapter, device=pick_device(device), dtype=DTYPES[dtype])
     tokenizer = load_tokenizer(ckpt)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise MiniGPTError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from minigpt.checkpoint.adapter import load_merged
-from minigpt.checkpoint.native import load_chat_template, load_model, load_tokenizer, resolve_checkpoint
+from minigpt.checkpoint.native import load_chat_template, load_tokenizer, resolve_checkpoint
 from minigpt.checkpoint.tokenizer_bos import adds_bos
 from minigpt.infer.engine import Engine
 from minigpt.infer.sampling import InvalidRequest, SamplingParams, check_length
@@ -74,10 +74,7 @@ def run_chat(source: str, max_tokens: int = 256, temperature: float = 0.8, top_k
     for an unreadable checkpoint or an adapter made for another base.
     """
     ckpt = resolve_checkpoint(source)
-    if adapter is not None:
-        model = load_merged(ckpt, adapter, device=pick_device(device), dtype=DTYPES[dtype])
-    else:
-        model = load_model(ckpt, device=pick_device(device), dtype=DTYPES[dtype])
+    model = load_merged(ckpt, adapter, device=pick_device(device), dtype=DTYPES[dtype])
     tokenizer = load_tokenizer(ckpt)
     chat = ChatTemplate.for_model(tokenizer, load_chat_template(ckpt))
     engine = Engine(model, tokenizer, max_batch_size=1, stop_ids=default_stop_ids(tokenizer, chat),

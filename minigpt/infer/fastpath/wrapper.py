@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from minigpt.checkpoint.adapter import load_merged
-from minigpt.checkpoint.native import load_model
 from minigpt.infer.fastpath.kernels import ACT_DTYPE, LayerWeights, fuse_projections, int8_words, module_proj
 from minigpt.infer.fastpath.step import Geometry, compile_step
 from minigpt.infer.kv_cache import LayerKVCache
@@ -354,10 +353,7 @@ def load_for_inference(source, device: torch.device | str = "cpu", dtype: Option
     still does). ``adapter``: a PEFT LoRA folder merged into the weights first
     (:func:`minigpt.checkpoint.adapter.load_merged`). Raises :class:`~minigpt.errors.MiniGPTError` for unreadable
     sources or an adapter made for another base."""
-    if adapter is not None:
-        model = load_merged(source, adapter, device=device, dtype=dtype)
-    else:
-        model = load_model(source, device=device, dtype=dtype)
+    model = load_merged(source, adapter, device=device, dtype=dtype)
     if not fast:
         if quantize == "int8" and not is_quantized(model):
             quantize_model(model)
