@@ -26,7 +26,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -123,13 +123,17 @@ def to_messages(record: Any) -> list[dict[str, str]]:
     return messages
 
 
-def read_conversations(path: str | Path, strict: bool = False, report: Optional[SkipReport] = None
-                       ) -> list[tuple[str, list[dict[str, str]]]]:
-    """``[(file:line, messages), ...]`` of a JSONL file; unusable lines are counted in ``report`` (or, ``strict``,
-    raise :class:`MiniGPTError` naming file and line). Blank lines are ignored."""
+T = TypeVar("T")
+
+
+def read_jsonl(path: str | Path, what: str, convert: Callable[[Any, str], T], strict: bool = False,
+               report: Optional[SkipReport] = None) -> list[T]:
+    """``convert(record, "file:line")`` of every JSON line of ``path``; a line that is not JSON or that ``convert``
+    rejects with :class:`BadLine` is counted in ``report`` (or, ``strict``, raises :class:`MiniGPTError` naming file
+    and line). Blank lines are ignored; ``what`` names the file in the error for a missing one."""
     path = Path(path)
     if not path.is_file():
-        raise MiniGPTError(f"chat data file {path} does not exist")
+        raise MiniGPTError(f"{what} file {path} does not exist")
     report = report if report is not None else SkipReport()
     out = []
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -142,13 +146,19 @@ def read_conversations(path: str | Path, strict: bool = False, report: Optional[
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise BadLine("invalid JSON", str(e)) from None
-                out.append((where, to_messages(record)))
+                out.append(convert(record, where))
             except BadLine as e:
                 if strict:
                     raise MiniGPTError(f"{where}: {e}") from None
                 report.skipped[e.reason] += 1
     report.kept = len(out)
     return out
+
+
+def read_conversations(path: str | Path, strict: bool = False, report: Optional[SkipReport] = None
+                       ) -> list[tuple[str, list[dict[str, str]]]]:
+    """``[(file:line, messages), ...]`` of a JSONL file (:func:`read_jsonl`)."""
+    return read_jsonl(path, "chat data", lambda record, where: (where, to_messages(record)), strict, report)
 
 
 def tokenize_conversation(template: ChatTemplate, messages: list[dict[str, str]], train_on_prompt: bool = False,

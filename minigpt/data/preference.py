@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 import torch
 
-from minigpt.data.chat import IGNORE_INDEX, ROLES, BadLine, SkipReport
+from minigpt.data.chat import IGNORE_INDEX, ROLES, BadLine, SkipReport, read_jsonl
 from minigpt.errors import MiniGPTError
 from minigpt.tokenizer.chat_template import ChatTemplate
 
@@ -143,30 +143,10 @@ def to_preference(record: Any) -> tuple[Any, Any, Any]:
 
 def read_preferences(path: str | Path, strict: bool = False, report: Optional[SkipReport] = None
                      ) -> list[PreferenceRecord]:
-    """Validated records of a JSONL preference file; unusable lines are counted in ``report`` (or, ``strict``,
-    raise :class:`MiniGPTError` naming file and line). Blank lines are ignored."""
-    path = Path(path)
-    if not path.is_file():
-        raise MiniGPTError(f"preference data file {path} does not exist")
-    report = report if report is not None else SkipReport()
-    out = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise BadLine("invalid JSON", str(e)) from None
-                out.append(PreferenceRecord(*to_preference(record), source=where))
-            except BadLine as e:
-                if strict:
-                    raise MiniGPTError(f"{where}: {e}") from None
-                report.skipped[e.reason] += 1
-    report.kept = len(out)
-    return out
+    """Validated records of a JSONL preference file (:func:`minigpt.data.chat.read_jsonl`: unusable lines are
+    counted in ``report`` or, ``strict``, raise :class:`MiniGPTError` naming file and line)."""
+    return read_jsonl(path, "preference data",
+                      lambda record, where: PreferenceRecord(*to_preference(record), source=where), strict, report)
 
 
 def tokenize_preference(template: ChatTemplate, record: PreferenceRecord, eos_text: Optional[str] = None
