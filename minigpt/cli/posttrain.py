@@ -87,6 +87,17 @@ def cmd_lora_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_data_and_run_options(p) -> None:
+    """Flags sft and dpo share: data strictness, template, logging, device, dtype, seed."""
+    p.add_argument("--strict", action="store_true", help="stop at the first unusable data line instead of skipping")
+    p.add_argument("--template", help="Jinja chat template file (default: the model's own, else ChatML)")
+    p.add_argument("--log-interval", dest="log_interval", type=int)
+    p.add_argument("--eval-interval", dest="eval_interval", type=int)
+    p.add_argument("--device", help="auto, cpu, cuda, mps")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int)
+
+
 def register(sub) -> None:
     """Add this module's commands to the ``minigpt`` sub-parsers ``sub``."""
     p = add_command(sub, "sft", cmd_sft)
@@ -101,13 +112,7 @@ def register(sub) -> None:
     p.add_argument("--no-pack", dest="no_pack", action="store_true", help="one conversation per row, padded")
     p.add_argument("--train-on-prompt", dest="train_on_prompt", action="store_true",
                    help="score every token, not only the assistant's")
-    p.add_argument("--strict", action="store_true", help="stop at the first unusable data line instead of skipping")
-    p.add_argument("--template", help="Jinja chat template file (default: the model's own, else ChatML)")
-    p.add_argument("--log-interval", dest="log_interval", type=int)
-    p.add_argument("--eval-interval", dest="eval_interval", type=int)
-    p.add_argument("--device", help="auto, cpu, cuda, mps")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--seed", type=int)
+    _add_data_and_run_options(p)
 
     p = add_command(sub, "dpo", cmd_dpo)
     p.add_argument("--model", required=True, metavar="SFT_CHECKPOINT",
@@ -123,13 +128,7 @@ def register(sub) -> None:
     p.add_argument("--lr", type=float, help="peak learning rate (default 1e-6 full, 5e-6 LoRA)")
     p.add_argument("--batch-size", dest="batch_size", type=int, help="pairs per step (default 8)")
     p.add_argument("--seq-len", dest="seq_len", type=int, help="longest prompt + answer; longer pairs are skipped")
-    p.add_argument("--strict", action="store_true", help="stop at the first unusable data line instead of skipping")
-    p.add_argument("--template", help="Jinja chat template file (default: the model's own, else ChatML)")
-    p.add_argument("--log-interval", dest="log_interval", type=int)
-    p.add_argument("--eval-interval", dest="eval_interval", type=int)
-    p.add_argument("--device", help="auto, cpu, cuda, mps")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--seed", type=int)
+    _add_data_and_run_options(p)
 
     lora = sub.add_parser("lora", help="LoRA adapter tools").add_subparsers(dest="lora_command", required=True)
     p = add_command(lora, "merge", cmd_lora_merge)
