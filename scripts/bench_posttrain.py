@@ -24,7 +24,11 @@ printed as markdown. The first step of each pair is checked to give the same los
 summed log-probs), or the script stops. Optimizer state: the bytes of AdamW's ``exp_avg`` and ``exp_avg_sq`` after the
 timed steps, full against LoRA, and LoRA / full (goal: <= 2 %).
 
-Run from the repo root: ``.venv/bin/python scripts/bench_posttrain.py --threads 2 [--presets tiny,small]``.
+``--compile``: the MiniGPT models run through ``torch.compile`` (default Inductor settings; the compilation happens in
+the untimed warm-up round), as ``minigpt sft --compile`` / ``minigpt dpo --compile`` run them through the trainer;
+transformers stays eager (its own ``torch_compile`` path is the Trainer's, not the plain loop's).
+
+Run from the repo root: ``.venv/bin/python scripts/bench_posttrain.py --threads 2 [--presets tiny,small] [--compile]``.
 """
 import argparse
 import contextlib
@@ -151,6 +155,8 @@ def bench_preset(name: str, args, root: Path) -> tuple[list[dict], list[dict]]:
     tokens = batch.tokens.numel()
     scored = int((batch.labels[:, 1:] != IGNORE_INDEX).sum())
     rows, memory = [], []
+    if args.compile:
+        torch._dynamo.reset()
 
     def record(step: str, reference: str, ours_t: list[float], theirs_t: list[float], n_tokens: int, note: str):
         rows.append({"preset": name, "step": step, "reference": reference, "ours": [n_tokens / t for t in ours_t],
@@ -160,6 +166,7 @@ def bench_preset(name: str, args, root: Path) -> tuple[list[dict], list[dict]]:
               f"{statistics.median(rows[-1]['theirs']):,.0f} tok/s", flush=True)
 
     # --- full SFT
+    compiled = torch.compile if args.compile else (lambda m: m)  # the optimizer keeps the original's parameters
     mg, hf = copy.deepcopy(base), load_hf(hf_dir)
     mg_opt, hf_opt = adamw(trainable_parameters(mg)), adamw([p for p in hf.parameters() if p.requires_grad])
 
@@ -177,7 +184,8 @@ def bench_preset(name: str, args, root: Path) -> tuple[list[dict], list[dict]]:
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    ta, tb, (la, lb) = race(mg_sft, hf_sft, args.warmup, args.repeats)
+    mg_forward = compiled(mg)
+    ta, tb, (la, lb) = race(functools.partial(mg_sft, mg_forward, mg_opt), hf_sft, args.warmup, args.repeats)
     check_close(f"{name} sft loss", la, lb)
     record("SFT full", "transformers", ta, tb, tokens, f"{scored / (tokens - args.batch):.0%} of targets scored; "
            f"first loss {la:.4f} / {lb:.4f}")
@@ -193,7 +201,7 @@ def bench_preset(name: str, args, root: Path) -> tuple[list[dict], list[dict]]:
     result = peft.set_peft_model_state_dict(hf, adapter_state_dict(mg))
     assert not [k for k in result.missing_keys if "lora_" in k] and not result.unexpected_keys
     mg_opt, hf_opt = adamw(trainable_parameters(mg)), adamw([p for p in hf.parameters() if p.requires_grad])
-    ta, tb, (la, lb) = race(functools.partial(mg_sft, mg, mg_opt), functools.partial(hf_sft, hf, hf_opt),
+    ta, tb, (la, lb) = race(functools.partial(mg_sft, compiled(mg), mg_opt), functools.partial(hf_sft, hf, hf_opt),
                               args.warmup, args.repeats)
     check_close(f"{name} lora loss", la, lb)
     n_lora = sum(p.numel() for p in trainable_parameters(mg))
@@ -215,7 +223,7 @@ def bench_preset(name: str, args, root: Path) -> tuple[list[dict], list[dict]]:
     mg, mg_ref = copy.deepcopy(base), copy.deepcopy(base).requires_grad_(False)
     disable_dropout(mg)
     mg_opt = adamw(trainable_parameters(mg))
-    reference = Reference(mg, mg_ref)
+    reference = Reference(compiled(mg), compiled(mg_ref))
     pair_batch = pad_pairs(pairs, pad_id=0)
     trainer = trl_trainer(load_hf(hf_dir), load_hf(hf_dir).requires_grad_(False), len(pairs), root / "trl")
     torch.set_num_threads(args.threads)  # in case the trainer's setup changed it
@@ -227,7 +235,8 @@ def bench_preset(name: str, args, root: Path) -> tuple[list[dict], list[dict]]:
     logps = {}
 
     def mg_dpo():
-        loss, values = batch_loss(mg, reference, pair_batch, "train", BETA, "sigmoid", contextlib.nullcontext)
+        loss, values = batch_loss(reference.policy, reference, pair_batch, "train", BETA, "sigmoid",
+                                  contextlib.nullcontext)
         loss.backward()
         mg_opt.step()
         mg_opt.zero_grad(set_to_none=True)
@@ -292,7 +301,7 @@ def report(rows: list[dict], memory: list[dict], args, load_before, seconds: flo
     versions = (f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, "
                 f"trl {trl.__version__}")
     out += ["", f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()}; flags: {cpu_flags()}), "
-            f"{torch.get_num_threads()} threads, {versions}; batch {args.batch} × {args.seq_len}, vocabulary "
+            f"{torch.get_num_threads()} threads, {versions}; MiniGPT {'compiled' if args.compile else 'eager'}; batch {args.batch} × {args.seq_len}, vocabulary "
             f"{args.vocab_size}, {args.warmup} warm-up + {args.repeats} timed rounds; load average {load_before} -> "
             f"{loadavg()}; {seconds:.0f} s"]
     return "\n".join(out)
@@ -308,6 +317,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true", help="torch.compile the MiniGPT models (transformers stays eager)")
     args = p.parse_args()
     if args.batch < 2 or args.batch % 2 or args.warmup < 1 or args.repeats < 1:
         raise SystemExit("--batch must be even and >= 2; --warmup and --repeats >= 1")

@@ -76,6 +76,7 @@ def count_parameters(config: ModelConfig) -> dict[str, int]:
         else:
             ffn += _ffn(c, c.hidden_dim)
     norms = 2 * c.n_layers * _norm(c) + (_norm(c) if c.norm_position == "pre" else 0)
+    norms += 2 * c.n_layers * c.head_dim if c.qk_norm else 0  # q_norm and k_norm gains
     embedding = c.vocab_size * c.dim + (c.max_seq_len * c.dim if c.pos_encoding == "learned" else 0)
     lm_head = 0 if c.tie_embeddings else c.vocab_size * c.dim
     total = embedding + attention + ffn + norms + lm_head

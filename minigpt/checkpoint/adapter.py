@@ -19,6 +19,7 @@ by name.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import Counter
 from pathlib import Path
@@ -186,6 +187,45 @@ def load_adapter(model: nn.Module, directory: str | Path) -> list[str]:
     for an unreadable folder, an unsupported feature, a tensor with no MiniGPT counterpart, or a shape that does
     not fit the base model (one line naming the tensor and both shapes).
     """
+    config, pairs, whole, weights = _read_tensors(directory)
+    if any(isinstance(m, LoRALinear) for m in model.modules()):
+        raise MiniGPTError("the model already has LoRA adapters; merge_lora first to load another")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    names = []
+    for hf_name, ab in sorted(pairs.items()):
+        names.append(_attach(model, hf_name, ab, config, weights))
+    for name, value in whole.items():
+        target = model.get_submodule(name.rsplit(".", 1)[0]).weight
+        if tuple(value.shape) != tuple(target.shape):
+            raise MiniGPTError(f"{weights}: {name} has shape {tuple(value.shape)} but the base model's is "
+                               f"{tuple(target.shape)} (was the base's vocabulary resized before training?)")
+        with torch.no_grad():
+            target.copy_(value)
+        target.requires_grad_(True)
+    return names
+
+
+def read_adapter(model: nn.Module, directory: str | Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """The LoRA updates of the PEFT folder ``directory`` for ``model`` without touching it: ``{our module name:
+    (A [rank, in], B [out, rank], scaling)}``, checked as :func:`load_adapter` checks them. For serving several
+    adapters over one base (:mod:`minigpt.infer.adapters`). Raises :class:`MiniGPTError` as :func:`load_adapter`
+    does, and for an adapter carrying whole modules (``modules_to_save``), which cannot be shared per row."""
+    config, pairs, whole, weights = _read_tensors(directory)
+    if whole:
+        raise MiniGPTError(f"{directory} carries whole {', '.join(sorted(whole))} weights (modules_to_save); "
+                           "serve it alone, merged: --adapter DIR")
+    out = {}
+    for hf_name, ab in sorted(pairs.items()):
+        name, _, a, b, alpha = _checked_pair(model, hf_name, ab, config, weights)
+        rank = a.shape[0]
+        out[name] = (a, b, alpha / (math.sqrt(rank) if config.get("use_rslora") else rank))
+    return out
+
+
+def _read_tensors(directory: str | Path):
+    """``(config, {hf module: {"A": tensor, "B": tensor}}, {our name: whole tensor}, weights path)`` of a PEFT
+    folder."""
     directory = Path(directory)
     config = read_adapter_config(directory)
     weights = directory / WEIGHTS_NAME
@@ -208,26 +248,25 @@ def load_adapter(model: nn.Module, directory: str | Path) -> list[str]:
             whole[from_hf_key(key[len(PREFIX):])] = value
         except KeyError:
             raise MiniGPTError(f"{weights}: tensor {key!r} has no MiniGPT counterpart") from None
-    if any(isinstance(m, LoRALinear) for m in model.modules()):
-        raise MiniGPTError("the model already has LoRA adapters; merge_lora first to load another")
-    for p in model.parameters():
-        p.requires_grad_(False)
-    names = []
-    for hf_name, ab in sorted(pairs.items()):
-        names.append(_attach(model, hf_name, ab, config, weights))
-    for name, value in whole.items():
-        target = model.get_submodule(name.rsplit(".", 1)[0]).weight
-        if tuple(value.shape) != tuple(target.shape):
-            raise MiniGPTError(f"{weights}: {name} has shape {tuple(value.shape)} but the base model's is "
-                               f"{tuple(target.shape)} (was the base's vocabulary resized before training?)")
-        with torch.no_grad():
-            target.copy_(value)
-        target.requires_grad_(True)
-    return names
+    return config, pairs, whole, weights
 
 
 def _attach(model: nn.Module, hf_name: str, ab: dict[str, torch.Tensor], config: dict[str, Any], weights: Path
             ) -> str:
+    name, base, a, b, alpha = _checked_pair(model, hf_name, ab, config, weights)
+    layer = LoRALinear(base, a.shape[0], alpha, float(config.get("lora_dropout") or 0.0),
+                       bool(config.get("use_rslora")))
+    with torch.no_grad():
+        layer.lora_A.weight.copy_(a)
+        layer.lora_B.weight.copy_(b)
+    parent_name, child = name.rsplit(".", 1)
+    setattr(model.get_submodule(parent_name), child, layer)
+    return name
+
+
+def _checked_pair(model: nn.Module, hf_name: str, ab: dict[str, torch.Tensor], config: dict[str, Any],
+                  weights: Path) -> tuple[str, nn.Module, torch.Tensor, torch.Tensor, float]:
+    """``(our name, base layer, A, B, alpha)`` of one adapted module, its shapes checked against the base."""
     if set(ab) != {"A", "B"}:
         raise MiniGPTError(f"{weights}: {hf_name} has lora_{''.join(ab)} but not both lora_A and lora_B")
     name = _our_module(hf_name)
@@ -245,13 +284,7 @@ def _attach(model: nn.Module, hf_name: str, ab: dict[str, torch.Tensor], config:
             raise MiniGPTError(f"{weights}: {hf_name}.{part} has shape {tuple(t.shape)} but the base model needs "
                                f"{expected[part]} (adapter made for a different base model?)")
     alpha = _pattern_value(config.get("alpha_pattern"), hf_name, config.get("lora_alpha", 8))
-    layer = LoRALinear(base, rank, alpha, float(config.get("lora_dropout") or 0.0), bool(config.get("use_rslora")))
-    with torch.no_grad():
-        layer.lora_A.weight.copy_(a)
-        layer.lora_B.weight.copy_(b)
-    parent_name, child = name.rsplit(".", 1)
-    setattr(model.get_submodule(parent_name), child, layer)
-    return name
+    return name, base, a, b, alpha
 
 
 def load_merged(source: str | Path, adapter: str | Path | None = None, device: str | torch.device = "cpu",

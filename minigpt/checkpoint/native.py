@@ -10,23 +10,31 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from minigpt.checkpoint.atomic import FORMAT, atomic_dir, verify_manifest
-from minigpt.checkpoint.quantized import build_quantized, load_quantized
+from minigpt.checkpoint.quantized import build_quantized, check_quantization, load_quantized, write_tokenizer_files
 from minigpt.errors import MiniGPTError
 from minigpt.interop import hf
-from minigpt.interop.gguf import read_gguf, read_gguf_weights, read_vocab
+from minigpt.interop.gguf import gguf_tensor_shapes, iter_gguf_weights, read_gguf, read_gguf_weights, read_vocab
 from minigpt.interop.llama2c import find_tokenizer, read_llama2c
 from minigpt.model.config import ModelConfig
-from minigpt.model.quant import METHOD
+from minigpt.model.quant import (
+    METHOD,
+    SCHEMES,
+    Int4Linear,
+    Int8Linear,
+    quant_config,
+    quantize_weight,
+    quantize_weight_int4,
+)
 from minigpt.model.transformer import Transformer
 from minigpt.tokenizer.interop import build_tokenizer, read_llama2c_tokenizer
-from minigpt.tokenizer.roles import config_files, roles_from_gguf
+from minigpt.tokenizer.roles import roles_from_gguf
 from minigpt.tokenizer.tokenizer import Tokenizer, TokenizerMissing
 
 
@@ -182,24 +190,31 @@ def load_model(
     source: str | Path,
     device: str | torch.device = "cpu",
     dtype: Optional[torch.dtype] = None,
+    quantize: Optional[str] = None,
 ) -> Transformer:
     """Load a model into a :class:`Transformer` in eval mode, ``dtype`` (default float32) on ``device``.
 
     ``source``: a MiniGPT or Hugging Face directory, a ``.gguf`` file or a llama2.c ``.bin`` file. A directory
     saved quantized (:func:`minigpt.checkpoint.quantized.save_quantized`) loads as a quantized model (int8 weights kept; ``dtype``
-    applies to its float tensors). Raises :class:`MiniGPTError` for a missing directory/file, corrupt weights, or
-    weights that do not fit the config.
+    applies to its float tensors). ``quantize`` (``"int8"`` / ``"int4"``, :data:`minigpt.model.quant.SCHEMES`)
+    loads any other source quantized (what :func:`minigpt.model.quant.quantize_model` makes of the float model, bit
+    for bit) without building the float model first: each weight is quantized as it is read, and a GGUF is read one
+    tensor at a time, so the peak memory is about the quantized model plus one float32 tensor
+    (:func:`_load_quantizing`). Raises :class:`MiniGPTError` for a missing directory/file, corrupt weights, weights
+    that do not fit the config, or an unknown ``quantize``.
     """
-    config, tensors = read_source(source)
+    if quantize not in (None, "none", *SCHEMES):
+        raise MiniGPTError(f"unknown quantization {quantize!r}; choose {', '.join(SCHEMES)} or none")
     quantization = quantization_of(source)
+    if quantize in SCHEMES and quantization is None:
+        return _load_quantizing(source, SCHEMES[quantize], device, dtype)
+    config, tensors = read_source(source)
     if quantization is not None:
-        if quantization.get("method") != METHOD:
-            raise MiniGPTError(f"{source}: unknown quantization method {quantization.get('method')!r}; this "
-                               f"version reads {METHOD!r}")
+        quantization = check_quantization(quantization, str(source))
         # Shapes checked on the meta device first, as below; load_quantized names missing tensors its own way.
-        check_shapes(_on_meta(lambda: build_quantized(config, "meta"), source).state_dict(), tensors, str(source),
-                     names=False)
-        return load_quantized(config, tensors, str(source), device, dtype)
+        check_shapes(_on_meta(lambda: build_quantized(config, "meta", quantization), source).state_dict(), tensors,
+                     str(source), names=False)
+        return load_quantized(config, tensors, str(source), device, dtype, quantization)
     model = _on_meta(lambda: Transformer(config), source)
     # Checked while the model is still on the meta device: a header that claims a vocabulary or width its tensors
     # do not have is refused here rather than sizing the allocation below.
@@ -211,6 +226,50 @@ def load_model(
     # load_state_dict copies (and so converts) every tensor into the float32 parameters, whatever its dtype.
     load_state_into(model, tensors, str(source))
     model = model.to(dtype=dtype or torch.float32)
+    return model.eval()
+
+
+def _load_quantizing(source: str | Path, method: str, device: str | torch.device, dtype: Optional[torch.dtype]
+                     ) -> torch.nn.Module:
+    """:func:`load_model` with ``quantize`` for a float source: the empty quantized model (``method``) is built first
+    and each tensor is converted into it as it comes (from a GGUF, read and dequantized one at a time). Each weight
+    is cast to ``dtype`` before it is quantized, as ``quantize_model(load_model(source, dtype=dtype), method)``
+    does."""
+    path = Path(source)
+    if path.is_file() and path.suffix == ".gguf":
+        gf = read_gguf(path)
+        config, shapes = gf.config, gguf_tensor_shapes(gf)
+        stream: Iterable[tuple[str, torch.Tensor]] = iter_gguf_weights(gf)
+    else:
+        config, tensors = read_source(source)
+        shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+        stream = ((k, tensors.pop(k)) for k in list(tensors))  # each float tensor freed once converted
+    # Names and shapes are checked, on the meta device, before anything is allocated or read.
+    placeholders = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
+    check_claims(config, placeholders, str(source))
+    check_shapes(model_state_dict(_on_meta(lambda: Transformer(config), source)), placeholders, str(source))
+    model = build_quantized(config, device, quant_config(method))
+    targets = model.state_dict()  # views of the model's own tensors: copying into them fills the model
+    dtype = dtype or torch.float32
+    for key, w in stream:
+        # A tied embedding is also the LM head, which gets its own quantized copy.
+        for name in [key] + (["output.weight"] if key == "tok_embeddings.weight" and config.tie_embeddings else []):
+            layer = model.get_submodule(name.rpartition(".")[0]) if name.endswith(".weight") else None
+            if isinstance(layer, Int4Linear):
+                q, scale = quantize_weight_int4(w.to(dtype), layer.group_size)
+            elif isinstance(layer, Int8Linear):
+                q, scale = quantize_weight(w.to(dtype))
+            else:
+                targets[name].copy_(w)
+                continue
+            targets[name].copy_(q)
+            targets[f"{name}_scale"].copy_(scale)
+        del w
+    if dtype != torch.float32:
+        for m in model.modules():  # as load_quantized: float tensors cast, int8 weights and their scales kept
+            for name, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False)):
+                if t is not None and t.is_floating_point() and name != "weight_scale":
+                    t.data = t.data.to(dtype)
     return model.eval()
 
 
@@ -312,16 +371,8 @@ def import_model(
                            f"{model.config.vocab_size} embeddings")
     chat_template = load_chat_template(source)
     with atomic_dir(out) as tmp:
-        write_model_files(model, tmp, tokenizer)
-        if tokenizer is not None:
-            spell = lambda i: None if i is None else tokenizer.id_to_token(i)  # noqa: E731
-            files = config_files(spell(tokenizer.bos_id), spell(tokenizer.eos_id), spell(tokenizer.pad_id),
-                                 spell(tokenizer.unk_id), list(tokenizer.stop_ids), tokenizer.bos_id,
-                                 tokenizer.add_bos, chat_template)
-        else:
-            files = {"tokenizer_config.json": {"chat_template": chat_template}} if chat_template else {}
-        for name, content in files.items():
-            (tmp / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
+        write_model_files(model, tmp)
+        write_tokenizer_files(tmp, tokenizer, chat_template)
     return Path(out)
 
 

@@ -17,7 +17,7 @@ def adds_bos(source: str | Path, tokenizer) -> bool:
 
     In order (what ``transformers`` 5 does on load): a ``tokenizer.json`` post-processor template decides (BOS
     when the template starts with the BOS token); else ``tokenizer_config.json``'s ``add_bos_token`` (our HF
-    exports write ``false``); a GGUF's ``tokenizer.ggml.add_bos_token`` (llama models default to true, as
+    exports write what this function says of their source, with a matching template); a GGUF's ``tokenizer.ggml.add_bos_token`` (llama models default to true, as
     llama.cpp); a llama2.c ``.bin``, or a SentencePiece ``tokenizer.model`` with neither: true (Llama's convention,
     ``LlamaTokenizer``'s default); otherwise (MiniGPT's own byte-level BPE) false. ``tokenizer``: the loaded
     :class:`~minigpt.tokenizer.tokenizer.Tokenizer`.
@@ -30,7 +30,7 @@ def adds_bos(source: str | Path, tokenizer) -> bool:
             vocab = read_vocab(source)
             return bool(vocab is not None and vocab.add_bos)
         return True  # llama2.c's run.c encodes every prompt with BOS
-    template = _template_prefix(_json(source / "tokenizer.json").get("post_processor"))
+    template = template_prefix(_json(source / "tokenizer.json").get("post_processor"))
     if template is not None:
         return template[:1] == [tokenizer.bos_id]
     flag = _json(source / "tokenizer_config.json").get("add_bos_token")
@@ -47,14 +47,14 @@ def _json(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def _template_prefix(post: Any) -> Optional[list[int]]:
+def template_prefix(post: Any) -> Optional[list[int]]:
     """The ids a ``tokenizers`` post-processor puts before a single sequence (``[]`` for none) when it is, or holds
     in a Sequence, a TemplateProcessing; None for no template."""
     if not isinstance(post, dict):
         return None
     if post.get("type") == "Sequence":
         for inner in post.get("processors") or []:
-            ids = _template_prefix(inner)
+            ids = template_prefix(inner)
             if ids is not None:
                 return ids
         return None

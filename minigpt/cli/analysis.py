@@ -39,17 +39,22 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 def cmd_ablate(args: argparse.Namespace) -> int:
     """Train architecture variants side by side on Tiny Shakespeare and write docs/ablations.md with plots.
 
-    COMPARISON: norm, norm_position, positions, ffn, heads, attention, tying, moe, or all (default). Every variant
-    of a comparison gets the same training tokens, a fixed seed, and (for architectural comparisons) the same
-    non-embedding parameter count; the baseline is the preset itself and is shared. At --scale tiny each comparison
-    takes a few minutes on 2 CPU cores; small and medium are for bigger machines. Finished runs in --out-dir are
-    reused unless --force.
+    COMPARISON: norm, norm_position, positions, ffn, heads, attention, tying, moe, qk_norm, softcap, optimizer, or
+    all (default). Every variant of a comparison gets the same training tokens (--tokens or --steps), the same
+    --seeds seeds (default 3), and (for architectural comparisons) the same non-embedding parameter count; the
+    baseline is the preset itself and is shared. The report gives each variant's mean validation bits per byte
+    with a 95 % interval and each difference to the baseline (paired by seed) with its interval: resolved, equal
+    within --equal-within, or not resolved. --jobs N trains N runs at once when N x --threads fits the cores.
+    Finished runs in --out-dir are reused unless --force.
     """
-    from minigpt.analysis.ablate.run import AblationSettings, run_ablations
+    from minigpt.analysis.ablate.run import AblationSettings, parse_tokens, run_ablations
 
     settings = AblationSettings(out_dir=Path(args.out_dir), docs_dir=Path(args.docs_dir), scale=args.scale,
                                 threads=args.threads, steps=args.steps, seed=args.seed, force=args.force,
+                                seeds=args.seeds, jobs=args.jobs, equal_within=args.equal_within,
+                                tokens=parse_tokens(args.tokens) if args.tokens is not None else None,
                                 data=args.data, command="minigpt ablate " + " ".join(sys.argv[2:]))
+    settings.check()
     if args.report_only:
         from minigpt.analysis.ablate.run import rewrite_report
 
@@ -105,7 +110,14 @@ def register(sub) -> None:
     p.add_argument("--scale", default="tiny", help="tiny (default), small or medium")
     p.add_argument("--threads", type=int, default=2, help="torch threads per run (default 2)")
     p.add_argument("--steps", type=int, help="override the scale's training steps per run")
-    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--tokens", help="training tokens per run instead of --steps, e.g. 500k or 2M")
+    p.add_argument("--seed", type=int, default=1337, help="first seed (default 1337)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per variant: SEED, SEED+1, ... (default 3)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs trained at once, each in its own process (JOBS x THREADS must fit the cores)")
+    p.add_argument("--equal-within", dest="equal_within", type=float, default=0.02,
+                   help="bpb bound: a difference whose 95 %% interval lies inside +-this is called equal "
+                        "(default 0.02)")
     p.add_argument("--data", default="shakespeare", help="bundled corpus or text file (default shakespeare)")
     p.add_argument("--out-dir", dest="out_dir", default="runs/ablate", help="run directories (default runs/ablate)")
     p.add_argument("--docs-dir", dest="docs_dir", default="docs", help="where ablations.md and the plots go")

@@ -8,22 +8,35 @@ from minigpt.errors import MiniGPTError
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    """Quantize a model to int8 weight-only (per-output-channel symmetric scales) and save it; every command that
-    takes a checkpoint loads the result as is. Prints the weight bytes before and after."""
-    from minigpt.checkpoint.native import load_model, load_tokenizer, resolve_checkpoint
+    """Quantize a model to weight-only int8 (per-output-channel symmetric scales; the default) or int4 (--dtype
+    int4: groups of --group-size inputs, 32 by default, each with a float16 scale: llama.cpp's Q4_0; the LM head and
+    layers whose width does not divide into groups stay int8) and save it with its tokenizer, special-token roles,
+    stop ids and chat template; every command that takes a checkpoint loads the result as is. Prints the tensor
+    bytes before and after (a tied embedding / LM head counted once).
+    """
+    from minigpt.checkpoint.native import load_chat_template, load_model, load_tokenizer, resolve_checkpoint
     from minigpt.checkpoint.quantized import save_quantized
-    from minigpt.model.quant import quantize_model
+    from minigpt.model.quant import SCHEMES, quant_config, quantize_model, tensor_bytes
 
+    if args.dtype == "int8" and args.group_size != 32:
+        raise MiniGPTError("--group-size applies to --dtype int4 (int8 has one scale per output channel)")
+    try:
+        quant_config(SCHEMES[args.dtype], args.group_size)  # a bad group size fails before the model loads
+    except ValueError as e:
+        raise MiniGPTError(str(e)) from None
     src = resolve_checkpoint(args.ckpt)
     model = load_model(src)
-    before = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    quantize_model(model)
+    before = tensor_bytes(model)
+    try:  # a layer whose input width the group size does not divide stays int8; nothing else is refused here
+        quantize_model(model, SCHEMES[args.dtype], args.group_size)
+    except ValueError as e:
+        raise MiniGPTError(str(e)) from None
     try:
         tokenizer = load_tokenizer(src)
     except MiniGPTError:
         tokenizer = None
-    path = save_quantized(model, args.out, tokenizer)
-    after = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    path = save_quantized(model, args.out, tokenizer, load_chat_template(src))
+    after = tensor_bytes(model)
     print(f"wrote {path} ({before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB of tensors)")
     return 0
 
@@ -70,7 +83,11 @@ def register(sub) -> None:
     """Add this module's commands to the ``minigpt`` sub-parsers ``sub``."""
     p = add_command(sub, "quantize", cmd_quantize)
     p.add_argument("ckpt", help="run dir, checkpoint dir, HF model dir, .gguf or llama2.c .bin")
-    p.add_argument("out", help="output model directory (int8 weights + per-channel scales)")
+    p.add_argument("out", help="output model directory (quantized weights + their scales, tokenizer files)")
+    p.add_argument("--dtype", default="int8", choices=["int8", "int4"],
+                   help="int8: per-output-channel (default); int4: groups of --group-size (llama.cpp's Q4_0)")
+    p.add_argument("--group-size", dest="group_size", type=int, default=32,
+                   help="inputs per int4 scale, a multiple of 8 (default 32, as Q4_0)")
 
     p = add_command(sub, "export", cmd_export)
     p.add_argument("ckpt", help="run dir, checkpoint dir, HF model dir, .gguf or llama2.c .bin")

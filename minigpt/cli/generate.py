@@ -25,10 +25,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     template's end-of-turn token such as <|im_end|> or <|eot_id|>).
 
     Speed: the fast path (fused projections; --no-fast turns it off) runs by default; --compile compiles the
-    single-token step (compile time is printed with --stats); --quantize int8 quantizes the weights at load time
-    (a directory written by `minigpt quantize` is already quantized); --draft CKPT decodes speculatively with a
-    small draft model sharing the tokenizer (--draft-k tokens per round; the output is distributed exactly as
-    without it, and identical when greedy).
+    single-token step; --quantize int8 / int4 quantizes the weights at load time (a directory written by
+    `minigpt quantize` is already quantized); --draft CKPT decodes speculatively with a small draft model sharing
+    the tokenizer (--draft-k tokens per round; the output is distributed exactly as without it, and identical when
+    greedy); --threads N sets torch's intra-op threads.
+
+    --stats prints to stderr, in seconds and tokens/s to two decimals: load (model and tokenizer), compile (the
+    compiled step's first calls), prefill (prompt tokens / time to first token), time to first token, and decode
+    (tokens after the first / their time, compilation excluded) -- the headline rate.
     """
     import time
 
@@ -44,6 +48,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from minigpt.tokenizer.chat_template import ChatTemplate
 
     _check_prompt_flags(args)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise MiniGPTError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    t_load = time.perf_counter()
     ckpt = resolve_checkpoint(args.ckpt)
     device = pick_device(args.device)
     options = dict(device=device, dtype=DTYPES[args.dtype], quantize=args.quantize, compile=args.compile,
@@ -52,6 +61,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             top_p=args.top_p, stop=tuple(args.stop or ()), seed=args.seed)
     model = load_for_inference(ckpt, adapter=args.adapter, **options)
     tokenizer = load_tokenizer(ckpt)
+    load_s = time.perf_counter() - t_load
     chat = None
     if args.chat is not None:
         chat = ChatTemplate.for_model(tokenizer, load_chat_template(ckpt))
@@ -84,7 +94,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         torch.manual_seed(args.seed)
     out = sys.stdout
     t0 = time.perf_counter()
-    n_tokens, extra = 0, ""
+    n_tokens, extra, first_s = 0, "", None
     if len(prompts) > 1:
         results = generate_batch(model, encoded, params, stop_ids=stop_ids, tokenizer=tokenizer,
                                  truncate=args.truncate_prompt)
@@ -111,6 +121,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             out.write(prompts[0])
         stops = StopChecker(tokenizer, stop=params.stop)  # stop ids end `tokens` already
         for token in tokens:
+            if first_s is None:
+                first_s = time.perf_counter() - t0
             n_tokens += 1
             out.write(stops.push(token))
             out.flush()
@@ -126,9 +138,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.stats:
         seconds = time.perf_counter() - t0
         compile_s = getattr(model, "compile_seconds", 0.0)
-        print(f"[{n_tokens} tokens in {seconds:.2f} s: {n_tokens / max(seconds, 1e-9):.1f} tokens/s"
-              + (f" (of which compilation {compile_s:.1f} s)" if compile_s else "") + extra + "]", file=sys.stderr)
+        if args.draft:
+            compile_s += getattr(draft, "compile_seconds", 0.0)
+        line = format_stats(load_s, compile_s, sum(len(ids) for ids in encoded), first_s, n_tokens, seconds)
+        print(line[:-1] + extra + "]", file=sys.stderr)
     return 0
+
+
+def format_stats(load_s: float, compile_s: float, prompt_tokens: int, first_s, n_tokens: int, seconds: float
+                 ) -> str:
+    """The --stats line: ``load``, ``compile`` and ``time to first token`` in seconds, ``prefill`` and ``decode``
+    in tokens/s, all to two decimals. The decode rate -- the headline -- counts the tokens after the first over
+    the time after the first, compilation excluded (it happens in the first decode steps); ``first_s`` None (a
+    batch, printed all at once) makes it every token over the whole call, compilation excluded, with no prefill
+    or first-token figure."""
+    rate = lambda n, s: n / s if s > 0 else float("nan")  # noqa: E731
+    if first_s is None:
+        decode_n, decode_s, head = n_tokens, seconds - compile_s, "prefill n/a | time to first token n/a"
+    else:
+        decode_n, decode_s = n_tokens - 1, seconds - first_s - compile_s
+        head = (f"prefill {prompt_tokens} tokens: {rate(prompt_tokens, first_s):.2f} tokens/s | time to first token "
+                f"{first_s:.2f} s")
+    return (f"[decode {rate(decode_n, decode_s):.2f} tokens/s ({decode_n} tokens in {decode_s:.2f} s) | {head} | "
+            f"load {load_s:.2f} s | compile {compile_s:.2f} s | total {n_tokens} tokens in {seconds:.2f} s]")
 
 
 def _check_prompt_flags(args: argparse.Namespace) -> None:
@@ -200,8 +232,11 @@ def register(sub) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the single-token decode step")
     p.add_argument("--compile-mode", dest="compile_mode", default=None,
                    help="torch.compile mode, e.g. max-autotune-no-cudagraphs (default: inductor's default)")
-    p.add_argument("--quantize", choices=["int8"], help="int8 weight-only quantization at load time")
+    p.add_argument("--quantize", choices=["int8", "int4"],
+                   help="weight-only quantization at load time: int8 per channel, int4 in groups of 32 (Q4_0)")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--draft", metavar="CKPT", help="speculative decoding with this draft model (same tokenizer)")
     p.add_argument("--draft-k", dest="draft_k", type=int, default=4, help="draft tokens per round (default 4)")
     p.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter folder, merged into the weights at load")
-    p.add_argument("--stats", action="store_true", help="print tokens/s (and compile time, acceptance) to stderr")
+    p.add_argument("--stats", action="store_true",
+                   help="print decode and prefill tokens/s, time to first token, load and compile time to stderr")

@@ -2,8 +2,34 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from minigpt.cli.common import add_command
+from minigpt.cli.train import apply_sets, read_config_file
+from minigpt.errors import MiniGPTError
+
+# Flags that are options of the same name (None = not given: the --config file or the default decides).
+RUN_OPTIONS = ("model", "data", "val_data", "out_dir", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
+               "quantize", "max_steps", "max_time", "epochs", "lr", "warmup_steps", "batch_size", "grad_accum",
+               "seq_len", "template", "log_interval", "eval_interval", "ckpt_interval", "keep_checkpoints", "device",
+               "dtype", "seed", "threads", "parallel")
+
+
+def _config(cls, args: argparse.Namespace, names: tuple[str, ...], switches: dict[str, tuple[str, Any]]):
+    """``cls`` from --config FILE.yaml, then the flags ``names`` and the store-true ``switches`` (flag -> (option,
+    value)) that were given, then --set KEY=VALUE; a bad option is a one-line error."""
+    options: dict[str, Any] = read_config_file(args.config) if args.config else {}
+    options.update({k: getattr(args, k) for k in names if getattr(args, k) is not None})
+    options.update({key: value for flag, (key, value) in switches.items() if getattr(args, flag)})
+    apply_sets(options, args.set)
+    try:
+        return cls.from_dict(options)
+    except (TypeError, ValueError) as e:
+        raise MiniGPTError(f"invalid training config: {e}") from None
+
+
+COMMON_SWITCHES = {"strict": ("strict", True), "resume": ("resume", True), "compile": ("compile", True),
+                   "activation_checkpointing": ("activation_checkpointing", True)}
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
@@ -12,16 +38,17 @@ def cmd_sft(args: argparse.Namespace) -> int:
     The loss covers the assistant turns only (--train-on-prompt: every token); conversations are packed several
     to a row without attending to each other (--no-pack: one per row, padded). Without a chat template in the model,
     ChatML is used and its <|im_start|>/<|im_end|> tokens are added. --out-dir receives a model directory that
-    `minigpt generate` and `minigpt chat` read, metrics.jsonl, and with --lora-rank the PEFT adapter in adapter/.
+    `minigpt generate` and `minigpt chat` read, and with --lora-rank the PEFT adapter in adapter/; it is also the
+    run directory of the trainer `minigpt train` uses (metrics.jsonl, loss_curve.png, checkpoints/, --resume,
+    torchrun DDP/FSDP). --quantize int8 trains LoRA adapters over an int8-quantized frozen base.
+
+    Options come from --config FILE.yaml (any option by its name, e.g. lora_rank: 8, pack: false), then flags,
+    then --set key=value.
     """
     from minigpt.posttrain.sft import SFTConfig, sft
 
-    options = {k: getattr(args, k) for k in ("model", "data", "val_data", "out_dir", "lora_rank", "lora_alpha",
-                                             "lora_dropout", "lora_targets", "max_steps", "max_time", "epochs", "lr",
-                                             "warmup_steps", "batch_size", "seq_len", "template", "log_interval",
-                                             "eval_interval", "device", "dtype", "seed")
-               if getattr(args, k) is not None}
-    sft(SFTConfig(**options, pack=not args.no_pack, train_on_prompt=args.train_on_prompt, strict=args.strict))
+    sft(_config(SFTConfig, args, RUN_OPTIONS, {**COMMON_SWITCHES, "no_pack": ("pack", False),
+                                                "train_on_prompt": ("train_on_prompt", True)}))
     return 0
 
 
@@ -34,15 +61,12 @@ def cmd_dpo(args: argparse.Namespace) -> int:
     model (with LoRA: the same model with its adapters disabled; --precompute-ref: its log-probs computed once up
     front, saving the memory of a second model). --loss ipo: the IPO loss (Azar et al. 2023). metrics.jsonl logs
     TRL's rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected.
+    The run directory, --resume, --config and torchrun work as for `minigpt sft`.
     """
     from minigpt.posttrain.dpo import DPOConfig, dpo
 
-    options = {k: getattr(args, k) for k in ("model", "data", "val_data", "out_dir", "beta", "loss", "lora_rank",
-                                             "lora_alpha", "lora_dropout", "lora_targets", "max_steps", "max_time",
-                                             "epochs", "lr", "warmup_steps", "batch_size", "seq_len", "template",
-                                             "log_interval", "eval_interval", "device", "dtype", "seed")
-               if getattr(args, k) is not None}
-    dpo(DPOConfig(**options, precompute_ref=args.precompute_ref, strict=args.strict))
+    dpo(_config(DPOConfig, args, RUN_OPTIONS + ("beta", "loss"),
+                {**COMMON_SWITCHES, "precompute_ref": ("precompute_ref", True)}))
     return 0
 
 
@@ -57,6 +81,8 @@ def _add_lora_and_loop_options(p) -> None:
     p.add_argument("--max-time", dest="max_time", type=float, help="seconds of training")
     p.add_argument("--epochs", type=int, help="epochs when neither --max-steps nor --max-time is given (default 1)")
     p.add_argument("--warmup-steps", dest="warmup_steps", type=int, help="default: 3%% of the steps")
+    p.add_argument("--quantize", choices=["int8"],
+                   help="with --lora-rank: quantize the frozen base's block projections to int8 (QLoRA-style)")
 
 
 def cmd_lora_merge(args: argparse.Namespace) -> int:
@@ -96,15 +122,28 @@ def _add_data_and_run_options(p) -> None:
     p.add_argument("--device", help="auto, cpu, cuda, mps")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int)
+    p.add_argument("--config", help="YAML file of options (the names of SFTConfig / DPOConfig fields)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest good checkpoint in --out-dir")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (compile time counts as training; rows are padded to --seq-len, "
+                        "so one graph serves every step)")
+    p.add_argument("--threads", type=int, help="torch intra-op threads")
+    p.add_argument("--parallel", choices=["none", "ddp", "fsdp"], help="data parallelism under torchrun")
+    p.add_argument("--activation-checkpointing", dest="activation_checkpointing", action="store_true",
+                   help="recompute block activations in the backward pass to save memory")
+    p.add_argument("--grad-accum", dest="grad_accum", type=int, help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--ckpt-interval", dest="ckpt_interval", type=int, help="steps between checkpoints (default 500)")
+    p.add_argument("--keep-checkpoints", dest="keep_checkpoints", type=int, help="how many checkpoints to keep")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any option (repeatable)")
 
 
 def register(sub) -> None:
     """Add this module's commands to the ``minigpt`` sub-parsers ``sub``."""
     p = add_command(sub, "sft", cmd_sft)
-    p.add_argument("--model", required=True, help="model to fine-tune: run dir, model dir, HF dir, .gguf or .bin")
-    p.add_argument("--data", required=True, help="training conversations, JSONL")
+    p.add_argument("--model", help="model to fine-tune: run dir, model dir, HF dir, .gguf or .bin")
+    p.add_argument("--data", help="training conversations, JSONL")
     p.add_argument("--val-data", dest="val_data", help="validation conversations, JSONL (loss on assistant tokens)")
-    p.add_argument("--out-dir", dest="out_dir", required=True, help="output model directory")
+    p.add_argument("--out-dir", dest="out_dir", help="output model and run directory")
     _add_lora_and_loop_options(p)
     p.add_argument("--lr", type=float, help="peak learning rate (default 2e-5 full, 2e-4 LoRA)")
     p.add_argument("--batch-size", dest="batch_size", type=int, help="rows per step (default 8)")
@@ -115,11 +154,11 @@ def register(sub) -> None:
     _add_data_and_run_options(p)
 
     p = add_command(sub, "dpo", cmd_dpo)
-    p.add_argument("--model", required=True, metavar="SFT_CHECKPOINT",
+    p.add_argument("--model", metavar="SFT_CHECKPOINT",
                    help="model to train (usually an SFT output): run dir, model dir, HF dir, .gguf or .bin")
-    p.add_argument("--data", required=True, metavar="PREFS", help="preference pairs, JSONL {prompt, chosen, rejected}")
+    p.add_argument("--data", metavar="PREFS", help="preference pairs, JSONL {prompt, chosen, rejected}")
     p.add_argument("--val-data", dest="val_data", help="validation pairs, JSONL (the same metrics, prefixed val_)")
-    p.add_argument("--out-dir", dest="out_dir", required=True, help="output model directory")
+    p.add_argument("--out-dir", dest="out_dir", help="output model and run directory")
     p.add_argument("--beta", type=float, help="strength of the pull towards the reference (default 0.1)")
     p.add_argument("--loss", choices=["sigmoid", "ipo"], help="sigmoid: DPO (default); ipo: IPO, Azar et al. 2023")
     p.add_argument("--precompute-ref", dest="precompute_ref", action="store_true",
@@ -134,4 +173,4 @@ def register(sub) -> None:
     p = add_command(lora, "merge", cmd_lora_merge)
     p.add_argument("base", help="the base model: run dir, model dir, HF dir, .gguf or .bin")
     p.add_argument("adapter", help="a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)")
-    p.add_argument("--out-dir", dest="out_dir", required=True, help="output model directory")
+    p.add_argument("--out-dir", dest="out_dir", help="output model and run directory")

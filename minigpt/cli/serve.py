@@ -5,6 +5,7 @@ import argparse
 import ipaddress
 import os
 import sys
+from typing import Optional
 
 from minigpt.cli.common import add_command
 from minigpt.errors import MiniGPTError
@@ -22,6 +23,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     Request bodies above --max-body-bytes get 413, bodies not sent as application/json 415 (docs/security.md lists
     every limit). SIGTERM finishes running requests (for up to --shutdown-timeout seconds), cancels the rest (their
     streams end with an error event) and exits 0.
+
+    Prompts' keys and values are kept in a prefix cache (--prefix-cache-bytes, default half the slots' KV cache;
+    --no-prefix-cache turns it off), so a prompt sharing a start with an earlier one prefills only the rest.
+    --adapter DIR merges one PEFT LoRA adapter into the weights; --adapter NAME=DIR (repeatable) serves each adapter
+    under its NAME next to the base model: a request picks one with "model": NAME, and requests for different
+    adapters decode in the same batch.
     """
     import torch
 
@@ -43,12 +50,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise MiniGPTError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     _check_context(args.context)
     max_body_bytes = parse_size(args.max_body_bytes, "--max-body-bytes", minimum=1024)
+    if args.no_prefix_cache and args.prefix_cache_bytes is not None:
+        raise MiniGPTError("--no-prefix-cache and --prefix-cache-bytes contradict each other; give one")
+    prefix_cache_bytes = 0 if args.no_prefix_cache else (
+        None if args.prefix_cache_bytes is None else parse_size(args.prefix_cache_bytes, "--prefix-cache-bytes"))
+    adapter, adapters = _adapters(args.adapter)
     return serve(args.ckpt, host=args.host, port=args.port, api_key=api_key, model_name=args.model_name,
                  max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
                  max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens,
                  request_timeout=args.request_timeout or None, shutdown_timeout=args.shutdown_timeout,
                  device=args.device, dtype=args.dtype, log_level=args.log_level, context=args.context,
-                 max_body_bytes=max_body_bytes, adapter=args.adapter)
+                 max_body_bytes=max_body_bytes, adapter=adapter, adapters=adapters,
+                 prefix_cache_bytes=prefix_cache_bytes)
+
+
+def _adapters(values: Optional[list[str]]) -> tuple[Optional[str], dict[str, str]]:
+    """``--adapter`` values -> (the one folder to merge, {name: folder} to serve by name). ``NAME=DIR`` names an
+    adapter unless the whole value is an existing path (a folder may contain '=')."""
+    merged, named = None, {}
+    for value in values or []:
+        name, sep, folder = value.partition("=")
+        if sep and name and "/" not in name and not os.path.exists(value):
+            if not folder:
+                raise MiniGPTError(f"--adapter {value}: no folder after '='")
+            if name in named:
+                raise MiniGPTError(f"--adapter {name} is given twice")
+            named[name] = folder
+        elif merged is not None:
+            raise MiniGPTError("only one --adapter DIR can be merged; to serve several, name each: --adapter NAME=DIR")
+        else:
+            merged = value
+    if merged is not None and named:
+        raise MiniGPTError("--adapter DIR (merged) and --adapter NAME=DIR (served by name) do not mix; name them all")
+    return merged, named
 
 
 def _check_context(context) -> None:
@@ -82,7 +116,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     _check_context(args.context)
     return run_chat(args.ckpt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, system=args.system, device=args.device, dtype=args.dtype,
-                    adapter=args.adapter, context=args.context)
+                    adapter=args.adapter, context=args.context, prefix_cache=not args.no_prefix_cache)
 
 
 def register(sub) -> None:
@@ -118,7 +152,13 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, help="torch intra-op threads of the model worker")
     p.add_argument("--log-level", dest="log_level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
-    p.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter folder, merged into the weights at load")
+    p.add_argument("--adapter", metavar="[NAME=]DIR", action="append",
+                   help="a PEFT LoRA adapter folder: DIR is merged into the weights at load; NAME=DIR (repeatable) is "
+                   "served as model NAME next to the base, several batched together")
+    p.add_argument("--prefix-cache-bytes", dest="prefix_cache_bytes", default=None,
+                   help="memory for cached prompt prefixes' KV blocks, e.g. 512MiB (default: half the KV cache)")
+    p.add_argument("--no-prefix-cache", dest="no_prefix_cache", action="store_true",
+                   help="prefill every prompt whole (no prefix cache)")
 
     p = add_command(sub, "chat", cmd_chat)
     p.add_argument("ckpt", help="run dir, checkpoint dir, HF model dir, .gguf or llama2.c .bin")
@@ -132,6 +172,8 @@ def register(sub) -> None:
                    help="tokens of KV cache, at most the model's context (default: the model's, within half the "
                    "free memory); older turns are dropped to fit")
     p.add_argument("--system", help="a system message opening the conversation")
+    p.add_argument("--no-prefix-cache", dest="no_prefix_cache", action="store_true",
+                   help="recompute the whole conversation every turn instead of keeping its KV cache between turns")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, help="torch intra-op threads")

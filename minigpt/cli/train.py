@@ -9,26 +9,43 @@ from minigpt.cli.common import add_command, parse_value
 from minigpt.errors import MiniGPTError
 
 
+def read_config_file(path_text: str) -> dict[str, Any]:
+    """The options mapping of a ``--config`` YAML file; a missing, invalid or non-mapping file is a one-line error."""
+    import yaml
+
+    path = Path(path_text)
+    if not path.is_file():
+        raise MiniGPTError(f"config file {path} does not exist")
+    try:
+        options = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise MiniGPTError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(options, dict):
+        raise MiniGPTError(f"config file {path} must hold a mapping of options")
+    return options
+
+
+def apply_sets(options: dict[str, Any], items: list[str] | None) -> dict[str, Any]:
+    """Apply ``--set KEY=VALUE`` items to ``options`` in place (``model.FIELD=VALUE`` into ``options["model"]``)."""
+    for item in items or []:
+        if "=" not in item:
+            raise MiniGPTError(f"--set expects KEY=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        if key.startswith("model."):
+            options.setdefault("model", {})[key[len("model."):]] = parse_value(value)
+        else:
+            options[key] = parse_value(value)
+    return options
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Train a model: AdamW, warmup + cosine schedule, evaluation in nats/token, perplexity and bits per byte.
 
     Options come from --config FILE.yaml, then flags, then --set key=value (model fields as model.KEY=VALUE).
     """
-    import yaml
-
     from minigpt.train.loop import TrainConfig, train
 
-    options: dict[str, Any] = {}
-    if args.config:
-        path = Path(args.config)
-        if not path.is_file():
-            raise MiniGPTError(f"config file {path} does not exist")
-        try:
-            options = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise MiniGPTError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
-        if not isinstance(options, dict):
-            raise MiniGPTError(f"config file {path} must hold a mapping of options")
+    options: dict[str, Any] = read_config_file(args.config) if args.config else {}
     flag_map = {"preset": "preset", "data": "data", "out_dir": "out_dir", "max_steps": "max_steps",
                 "max_time": "max_time", "device": "device", "dtype": "dtype", "seed": "seed",
                 "batch_size": "batch_size", "lr": "lr", "vocab_size": "vocab_size", "threads": "threads",
@@ -43,14 +60,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         options["compile"] = True
     if args.activation_checkpointing:
         options["activation_checkpointing"] = True
-    for item in args.set or []:
-        if "=" not in item:
-            raise MiniGPTError(f"--set expects KEY=VALUE, got {item!r}")
-        key, value = item.split("=", 1)
-        if key.startswith("model."):
-            options.setdefault("model", {})[key[len("model."):]] = parse_value(value)
-        else:
-            options[key] = parse_value(value)
+    apply_sets(options, args.set)
     try:
         cfg = TrainConfig.from_dict(options)
     except (TypeError, ValueError) as e:
@@ -72,6 +82,9 @@ def _common_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--batch-size", dest="batch_size", type=int)
     p.add_argument("--lr", type=float)
+    p.add_argument("--optimizer", choices=["adamw", "muon"],
+                   help="adamw (default), or muon: Muon for the hidden matrices at --set muon_lr=... (default 0.02), "
+                        "AdamW at --lr for embeddings, head, norms and biases")
     p.add_argument("--vocab-size", dest="vocab_size", type=int, help="tokenizer size if the data is prepared here")
     p.add_argument("--threads", type=int, help="torch intra-op threads")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (compile time counts as training)")

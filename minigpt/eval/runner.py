@@ -4,7 +4,10 @@
 (MiniGPT checkpoint or run directory, Hugging Face directory, GGUF or llama2.c file). The result is a dict in the
 layout of lm-eval's ``--output_path`` JSON: ``results -> task -> "acc,none", "acc_stderr,none", "acc_norm,none",
 ...``, plus ``groups``, ``group_subtasks``, ``n-shot``, ``n-samples``, ``higher_is_better``, ``config``, and our
-``chance`` (the accuracy of guessing, per task) and, when asked, per-item ``samples``.
+``chance`` (the accuracy of guessing, per task), ``truncated`` (per task, how many items had a request longer than
+the model's context window, scored left-truncated as lm-eval does: ``{"items": n, "continuation_too_long": m}``,
+``m`` counting those whose continuation alone did not fit, see :mod:`minigpt.eval.scoring`) and, when asked,
+per-item ``samples``.
 """
 from __future__ import annotations
 
@@ -34,6 +37,8 @@ class TaskRun:
     records: list
     n_total: int
     n_requests: int  # log-likelihood requests (bpb: rolling windows)
+    truncated: int = 0  # items with a request left-truncated to the context window
+    continuation_too_long: int = 0  # items with a continuation longer than the window by itself
 
 
 HIGHER_IS_BETTER = {"acc": True, "acc_norm": True, "perplexity": False, "word_perplexity": False,
@@ -76,7 +81,7 @@ def evaluate(model, tokenizer, tasks: list[str], num_fewshot: int = 0, limit: Op
     data_dir = Path(data_dir) if data_dir is not None else DEFAULT_DATA_DIR
     scorer = Scorer(model, tokenizer, add_bos=add_bos, batch_size=batch_size, reuse_prefix=reuse_prefix)
     out: dict = {"results": {}, "groups": {}, "group_subtasks": dict(groups), "n-shot": {}, "n-samples": {},
-                 "higher_is_better": {}, "chance": {}, "samples": {},
+                 "higher_is_better": {}, "chance": {}, "truncated": {}, "samples": {},
                  "config": {"num_fewshot": num_fewshot, "limit": limit, "batch_size": batch_size, "bos": add_bos,
                             "fewshot_seed": seed, "data_dir": str(data_dir)}}
     cache: dict = {}
@@ -89,6 +94,7 @@ def evaluate(model, tokenizer, tasks: list[str], num_fewshot: int = 0, limit: Op
             run = _scored_task(scorer, task, data_dir, num_fewshot, limit, seed, cache)
         out["results"][task.name] = {"alias": task.name, **run.entries}
         out["chance"][task.name] = run.chance
+        out["truncated"][task.name] = {"items": run.truncated, "continuation_too_long": run.continuation_too_long}
         out["n-shot"][task.name] = 0 if task.output_type == ROLLING else num_fewshot
         out["n-samples"][task.name] = {"original": run.n_total, "effective": len(run.records)}
         out["higher_is_better"][task.name] = {m: HIGHER_IS_BETTER[m] for m in task.metrics}
@@ -97,16 +103,29 @@ def evaluate(model, tokenizer, tasks: list[str], num_fewshot: int = 0, limit: Op
         if log:
             log(f"{task.name}: {len(run.records)} items, {run.n_requests} requests, "
                 f"{time.perf_counter() - t0:.1f} s")
+            if run.truncated:
+                log(truncation_note(task.name, run.truncated, run.continuation_too_long, scorer.max_length))
     for group, members in groups.items():
         out["groups"][group] = out["results"][group] = _group_metrics(group, out, members)
         out["chance"][group] = sum(out["chance"][m] * out["n-samples"][m]["effective"] for m in members) / max(
             1, sum(out["n-samples"][m]["effective"] for m in members))
         out["n-shot"][group] = num_fewshot
+        out["truncated"][group] = {k: sum(out["truncated"][m][k] for m in members) for k in out["truncated"][members[0]]}
         out["higher_is_better"][group] = out["higher_is_better"][members[0]]
     if not samples:
         del out["samples"]
     out["total_evaluation_time_seconds"] = f"{time.perf_counter() - started:.2f}"
     return out
+
+
+def truncation_note(task: str, items: int, continuation_too_long: int, max_length: int) -> str:
+    """The one line telling how many of a task's items did not fit the context window."""
+    note = (f"{task}: {items} item(s) longer than the model's {max_length}-token context, scored left-truncated "
+            "as lm-eval does")
+    if continuation_too_long:
+        note += (f"; in {continuation_too_long} a choice alone is longer (lm-eval would stop there), only its last "
+                 f"{max_length} tokens scored")
+    return note
 
 
 def _metric_entries(values: dict[str, float], stderrs: dict[str, Optional[float]]) -> dict:
@@ -144,7 +163,8 @@ def _scored_task(scorer: Scorer, task: Task, data_dir: Path, num_fewshot: int, l
             per_metric[m].append(v)
         target = item.target if task.output_type == LOGLIKELIHOOD else gold_index(task, item)
         records.append({"doc_id": i, "line": item.line, "target": target, "arguments": [list(r) for r in reqs],
-                        "loglikelihoods": lls, "is_greedy": [s.is_greedy for s in item_scores], **values})
+                        "loglikelihoods": lls, "is_greedy": [s.is_greedy for s in item_scores],
+                        "truncated": any(s.truncated for s in item_scores), **values})
     values, stderrs = {}, {}
     for m, xs in per_metric.items():
         if m == "perplexity":
@@ -152,7 +172,10 @@ def _scored_task(scorer: Scorer, task: Task, data_dir: Path, num_fewshot: int, l
         else:
             values[m], stderrs[m] = metrics.mean(xs), metrics.mean_stderr(xs)
     chance = 0.0 if task.output_type == LOGLIKELIHOOD else metrics.mean([1 / len(it.choices) for it in items])
-    return TaskRun(_metric_entries(values, stderrs), chance, records, n_total, sum(len(r) for r in requests))
+    truncated = sum(any(s.truncated for s in item_scores) for item_scores in scores)
+    too_long = sum(any(s.continuation_truncated for s in item_scores) for item_scores in scores)
+    return TaskRun(_metric_entries(values, stderrs), chance, records, n_total, sum(len(r) for r in requests),
+                   truncated, too_long)
 
 
 def _rolling_task(scorer: Scorer, task: Task, limit) -> TaskRun:

@@ -6,7 +6,12 @@ The numbers are lm-evaluation-harness's (``lm_eval/models/huggingface.py`` ``HFL
 * tokenization: whitespace at the end of the context moves to the front of the continuation; ``context +
   continuation`` is encoded as one string and the continuation's tokens are what follows the context's own
   encoding (``whole[len(encode(context)):]``), so a word is tokenized as it is in running text. The model reads
-  ``context_ids + continuation_ids``, left-truncated to ``max_seq_len + 1`` tokens, minus the last token;
+  ``context_ids + continuation_ids``, left-truncated to ``max_seq_len + 1`` tokens, minus the last token (lm-eval
+  logs a warning and goes on; :attr:`Score.truncated` marks such requests so that a run can count them);
+* a continuation longer than the window by itself: lm-eval 0.4.13 stops the whole run there (``assert
+  len(continuation_enc) <= self.max_length``). We apply the same left truncation instead and score what it leaves
+  in the window, the continuation's last ``max_seq_len`` tokens (:attr:`Score.continuation_truncated`); lm-eval has
+  no number to compare for such a request;
 * ``loglikelihood`` = sum over the continuation's tokens of ``log_softmax(logits)`` (float32) at the positions
   that predict them; ``is_greedy`` = every one of those tokens is the argmax;
 * an empty context is the prefix token (BOS, else EOS) alone;
@@ -23,7 +28,7 @@ request alone to float rounding (tested against ``reuse_prefix=False``, which ru
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -34,11 +39,15 @@ from minigpt.infer.fastpath import FastPath
 
 @dataclass(frozen=True)
 class Score:
-    """Log-likelihood (nats) of a continuation, whether greedy decoding reproduces it, and its length in tokens."""
+    """Log-likelihood (nats) of a continuation, whether greedy decoding reproduces it, and its length in tokens
+    (the tokens scored). ``truncated``: context + continuation did not fit the window and lost tokens on the left;
+    ``continuation_truncated``: the continuation alone did not fit, and only its last ``n_tokens`` were scored."""
 
     loglikelihood: float
     is_greedy: bool
     n_tokens: int
+    truncated: bool = False
+    continuation_truncated: bool = False
 
 
 def rolling_windows(tokens: list[int], prefix_token: int, max_len: int) -> list[tuple[list[int], list[int]]]:
@@ -117,8 +126,9 @@ class Scorer:
     # ----------------------------------------------------------------------------------------------- scoring
     def loglikelihood(self, groups: Sequence[Sequence[tuple[str, str]]]) -> list[list[Score]]:
         """A :class:`Score` for every ``(context, continuation)`` request, grouped as given (requests of a group
-        should share their context: that prefix is computed once). Raises :class:`MiniGPTError` for a
-        continuation that is empty once tokenized or longer than the context window."""
+        should share their context: that prefix is computed once). A request longer than the context window is
+        left-truncated (see the module docstring). Raises :class:`MiniGPTError` for a continuation that is empty
+        once tokenized."""
         encoded = [[self.encode_pair(c, x) for c, x in group] for group in groups]
         return self.loglikelihood_tokens(encoded)
 
@@ -144,21 +154,22 @@ class Scorer:
         results: list[Optional[list[Score]]] = [None] * len(groups)
         for batch in self._batches(prepared):
             for index, scores in zip(batch, self._run_batch([prepared[i] for i in batch])):
-                results[index] = scores
+                results[index] = [
+                    replace(score, truncated=len(ctx) + len(cont) > self.max_length + 1,
+                            continuation_truncated=len(cont) > self.max_length)
+                    for score, (ctx, cont) in zip(scores, groups[index])]
         return results  # type: ignore[return-value]
 
     def _prepare(self, group) -> tuple[list[list[int]], list[list[int]], int]:
         """``(inputs, continuations, prefix_length)`` of one group: each request's model input (left-truncated),
-        its continuation ids, and the length of the token prefix all inputs share before any scored position."""
+        the continuation ids it scores (the last ``max_length`` of a longer continuation: all the window holds),
+        and the length of the token prefix all inputs share before any scored position."""
         inputs, conts = [], []
         for context_ids, cont_ids in group:
             if not cont_ids:
                 raise MiniGPTError("a continuation is empty once tokenized: nothing to score")
-            if len(cont_ids) > self.max_length:
-                raise MiniGPTError(f"a continuation of {len(cont_ids)} tokens does not fit the model's context of "
-                                   f"{self.max_length} tokens")
             inputs.append((context_ids + cont_ids)[-(self.max_length + 1):][:-1])
-            conts.append(cont_ids)
+            conts.append(cont_ids[-self.max_length:])
         prefix = 0
         if self.reuse_prefix and inputs:
             # The suffix pass must compute every scored position (the one before each continuation and after).

@@ -7,7 +7,8 @@ preallocated KV cache (:class:`SlotKVCache`); an iteration of the worker (:meth:
 1. drops cancelled and timed-out requests, freeing their slots at once;
 2. admits waiting requests (first come, first served) while a slot is free, the running requests' reserved tokens
    (prompt + ``max_tokens``) stay within ``max_batch_tokens`` and the padded prefill stays within
-   ``max_prefill_tokens``, and prefills them together in one forward (right-padded), sampling their first token;
+   ``max_prefill_tokens``, copies what the prefix cache (or a request admitted with them) already holds of their
+   prompts into their slots and prefills the rest together, sampling their first token (:mod:`minigpt.infer.prefill`);
 3. decodes one token for every running request in one forward, each row at its own position.
 
 Rows of different lengths share one decode forward through the model's public interface only: the attention mask
@@ -20,7 +21,9 @@ row computes what it would alone, up to floating-point summation order.
 Sampling is per row with the request's own ``torch.Generator``, so a seeded request draws the same tokens whatever
 its batch-mates (and the same as ``generate_tokens`` with that seed). Detokenization and stop handling
 (:class:`~minigpt.infer.stops.StopChecker`) run per request in the worker, so a request stopped by a string frees its
-slot at that token. Requests, their events and errors are in :mod:`minigpt.infer.request`.
+slot at that token. Requests, their events and errors are in :mod:`minigpt.infer.request`. Rows of one forward may
+be served by different LoRA adapters over the same base (:mod:`minigpt.infer.adapters`): before each forward the
+engine tells the adapted projections which adapter serves each row.
 """
 from __future__ import annotations
 
@@ -35,12 +38,24 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from minigpt.errors import MiniGPTError
+from minigpt.infer.adapters import AdapterWeights, attach_adapters
 from minigpt.infer.fastpath import FastPath
 from minigpt.infer.generate import model_device
 from minigpt.infer.kv_cache import SlotKVCache
 from minigpt.infer.metrics import ServingMetrics
-from minigpt.infer.request import EngineClosed, Event, QueueFull, Request, free_memory, kv_cache_bytes, plan_context
-from minigpt.infer.sampling import InvalidRequest, SamplingParams, check_length, sample
+from minigpt.infer.prefill import Prefill
+from minigpt.infer.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache
+from minigpt.infer.request import (
+    EngineClosed,
+    Event,
+    QueueFull,
+    Request,
+    choose_tokens,
+    free_memory,
+    kv_cache_bytes,
+    plan_context,
+)
+from minigpt.infer.sampling import InvalidRequest, LogitsProcessor, SamplingParams, TokenLogprob, check_length
 from minigpt.infer.stops import default_stop_ids
 from minigpt.model.transformer import Transformer
 from minigpt.tokenizer.tokenizer import Tokenizer
@@ -48,7 +63,7 @@ from minigpt.tokenizer.tokenizer import Tokenizer
 log = logging.getLogger("minigpt.infer.engine")
 
 
-class Engine:
+class Engine(Prefill):
     """A continuous-batching generation engine around one :class:`Transformer` (see the module docstring).
 
     Args:
@@ -71,6 +86,12 @@ class Engine:
         stop_ids: token ids that end a generation (default:
             :func:`~minigpt.infer.stops.default_stop_ids` of the tokenizer).
         metrics: where to count; a fresh :class:`ServingMetrics` by default.
+        prefix_cache_bytes: the prefix cache's budget (:mod:`minigpt.infer.prefix_cache`); 0 turns it off; default
+            half the slots' KV cache, at least one slot's.
+        block_size: tokens per prefix-cache block.
+        adapters: LoRA adapters served over the model, by name (:func:`~minigpt.checkpoint.adapter.read_adapter`
+            reads one); a request picks one with ``submit(..., adapter=name)``, and rows of different adapters
+            decode together (:mod:`minigpt.infer.adapters`).
 
     Memory: ``2 * n_layers * max_batch_size * n_kv_heads * max_seq_len * head_dim`` cache elements
     (:attr:`kv_cache_bytes`). Raises :class:`MiniGPTError` for a bad size, before allocating anything.
@@ -80,7 +101,8 @@ class Engine:
                  max_batch_size: int = 16, context: Optional[int] = None, memory_budget: Optional[int] = None,
                  max_batch_tokens: Optional[int] = None, max_queue: int = 256,
                  max_prefill_tokens: Optional[int] = None, stop_ids: Optional[Sequence[int]] = None,
-                 metrics: Optional[ServingMetrics] = None) -> None:
+                 metrics: Optional[ServingMetrics] = None, prefix_cache_bytes: Optional[int] = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE, adapters: Optional[dict[str, AdapterWeights]] = None) -> None:
         if max_batch_size < 1:
             raise MiniGPTError(f"max_batch_size must be at least 1, got {max_batch_size}")
         if max_queue < 0:
@@ -110,6 +132,16 @@ class Engine:
                                  self.device)
         self.metrics = metrics or ServingMetrics()
         self.metrics.slots_total.set(max_batch_size)
+        if prefix_cache_bytes is None:
+            prefix_cache_bytes = max(self.kv_cache_bytes // 2, self.kv_cache_bytes // max_batch_size)
+        if prefix_cache_bytes < 0:
+            raise MiniGPTError(f"prefix_cache_bytes must be at least 0, got {prefix_cache_bytes}")
+        self.block_size = block_size
+        self.prefix = PrefixCache(c.n_layers, c.n_kv_heads, c.head_dim, cache_dtype, self.device, prefix_cache_bytes,
+                                  block_size) if prefix_cache_bytes else None
+        self.adapter_names = list(adapters or {})  # request.adapter i > 0 is adapter_names[i - 1]
+        self.adapters = attach_adapters(self.model, list(adapters.values()), self.device) if adapters else None
+        self._sources: dict[int, tuple[Request, int]] = {}  # a request admitted with its source (Prefill._admit)
         self._cond = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # index == slot; only the worker touches it
@@ -138,25 +170,33 @@ class Engine:
         return max_tokens
 
     def submit(self, prompt: Sequence[int], params: SamplingParams,
-               callback: Optional[Callable[[Event], None]] = None, timeout: Optional[float] = None) -> Request:
+               callback: Optional[Callable[[Event], None]] = None, timeout: Optional[float] = None,
+               logits_processors: Sequence[LogitsProcessor] = (), adapter: Optional[str] = None) -> Request:
         """Queue a request. ``callback(event)`` runs on the worker thread after each token (it must be quick and
         must not block); without one, read events with :meth:`events`. ``timeout``: seconds from now until the
-        request is finished with ``"timeout"``.
+        request is finished with ``"timeout"``. ``logits_processors``: the request's own logits hook
+        (:class:`~minigpt.infer.request.Request`). Requests submitted one after another (``n`` samples of one
+        prompt) are admitted in that order. ``adapter``: the name of the LoRA adapter serving it (None: the base).
 
-        Raises :class:`InvalidRequest` (never runnable), :class:`QueueFull` or :class:`EngineClosed`.
+        Raises :class:`InvalidRequest` (never runnable, or an unknown adapter: ``param`` "model"),
+        :class:`QueueFull` or :class:`EngineClosed`.
         """
         prompt = [int(t) for t in prompt]
         vocab = self.model.config.vocab_size
         if any(t < 0 or t >= vocab for t in prompt):
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
         self.validate(len(prompt), params.max_tokens)
+        if adapter is not None and adapter not in self.adapter_names:
+            raise InvalidRequest(f"no adapter named {adapter!r}; this engine serves {self.adapter_names}", "model")
         inbox: Optional[queue.SimpleQueue] = None
         if callback is None:
             inbox = queue.SimpleQueue()
             callback = inbox.put
         deadline = time.monotonic() + timeout if timeout is not None else None
-        req = Request(prompt, params, callback, deadline, self.tokenizer, self.stop_ids, self.device)
+        req = Request(prompt, params, callback, deadline, self.tokenizer, self.stop_ids, self.device,
+                      logits_processors)
         req.inbox = inbox
+        req.adapter = 0 if adapter is None else self.adapter_names.index(adapter) + 1
         with self._cond:
             if self._closed:
                 raise EngineClosed("the server is shutting down")
@@ -286,6 +326,7 @@ class Engine:
         m.running.set(len(self._running))
         m.slots_used.set(len(self._running))
         m.tokens_reserved.set(self._reserved)
+        m.update_prefix_cache(self.prefix)
 
     def _reap(self) -> None:
         now = time.monotonic()
@@ -300,38 +341,6 @@ class Engine:
                 self._waiting.remove(req)
                 self._finish(req, "timeout", error="the request timed out waiting for a slot")
 
-    def _admit(self) -> list[Request]:
-        batch: list[Request] = []
-        longest = 0
-        with self._cond:
-            while self._waiting and len(self._running) < self.max_batch_size:
-                req = self._waiting[0]
-                if self._reserved + req.reserved > self.max_batch_tokens:
-                    break
-                padded = max(longest, len(req.prompt)) * (len(batch) + 1)
-                if batch and padded > self.max_prefill_tokens:
-                    break
-                self._waiting.popleft()
-                longest = max(longest, len(req.prompt))
-                req.slot = len(self._running)
-                self._running.append(req)
-                self._reserved += req.reserved
-                batch.append(req)
-        return batch
-
-    def _prefill(self, batch: list[Request]) -> None:
-        try:
-            logits = self._prefill_forward(batch)
-        except Exception as e:
-            if len(batch) == 1:
-                self._fail(batch[0], e)
-                return
-            # Find the request that breaks the batch: run each alone so the others still start.
-            batch, logits = self._one_by_one(batch, lambda i, req: self._prefill_forward([req]))
-            if not batch:
-                return
-        self._sample_and_accept(batch, logits)
-
     def _one_by_one(self, reqs: list[Request], forward) -> tuple[list[Request], Optional[torch.Tensor]]:
         """Run ``forward(i, req)`` for each request alone after a batched forward failed: the requests that raise
         are failed, the others go on. Returns the surviving requests and their logits rows concatenated."""
@@ -345,28 +354,6 @@ class Engine:
         for req, e in failed:  # after the loop: failing a request changes the running batch the offsets index
             self._fail(req, e)
         return ok, (torch.cat(rows) if rows else None)
-
-    def _prefill_forward(self, reqs: list[Request]) -> torch.Tensor:
-        """Last-position logits ``[len(reqs), vocab]`` after writing the prompts into the requests' slots."""
-        offset = reqs[0].slot
-        assert all(r.slot == offset + i for i, r in enumerate(reqs)), "prefill rows must be consecutive slots"
-        lens = [len(r.prompt) for r in reqs]
-        longest = max(lens)
-        x = torch.full((len(reqs), longest), self.pad_id, dtype=torch.long)
-        for i, r in enumerate(reqs):
-            x[i, :lens[i]] = torch.tensor(r.prompt, dtype=torch.long)
-        x = x.to(self.device)
-        mask = None
-        if min(lens) != longest:  # right padding: pad tokens come after every real one, so causality hides them
-            lens_t = torch.tensor(lens, device=self.device)
-            mask = (torch.arange(longest, device=self.device)[None, :] < lens_t[:, None]).long()
-        self.cache.for_prefill(offset)
-        logits = self.model(x, 0, self.cache, mask)
-        last = logits[torch.arange(len(reqs), device=self.device), torch.tensor(lens, device=self.device) - 1]
-        for r in reqs:
-            r.length = len(r.prompt)
-        self.metrics.prompt_tokens.inc(sum(lens))
-        return last
 
     def _decode(self) -> None:
         reqs = list(self._running)
@@ -387,6 +374,7 @@ class Engine:
         x = torch.tensor([[r.pending] for r in reqs], dtype=torch.long, device=self.device)
         lens = torch.tensor([r.length for r in reqs], dtype=torch.long, device=self.device)
         longest = max(r.length for r in reqs)
+        self._set_adapters(reqs)
         self.cache.for_decode(offset, lens)
         if len(reqs) == 1:  # alone: exactly the unmasked path of generate_tokens
             logits = self.model(x, longest, self.cache)
@@ -398,18 +386,18 @@ class Engine:
             r.length += 1
         return logits[:, -1]
 
+    def _set_adapters(self, reqs: list[Request]) -> None:
+        """Tell the LoRA layers which adapter serves each row of the next forward (nothing without adapters)."""
+        if self.adapters is not None:
+            self.adapters.set_rows([r.adapter for r in reqs])
+
     def _sample_and_accept(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        greedy = None
-        if any(r.params.greedy for r in reqs):
-            greedy = logits.argmax(dim=-1).tolist()  # one host sync for every greedy row
         done: list[Request] = []
-        for i, req in enumerate(reqs):
+        for req, pick in zip(reqs, choose_tokens(reqs, logits)):
             try:
-                if req.params.greedy:
-                    token = greedy[i]
-                else:
-                    token = int(sample(logits[i:i + 1], req.params, req.generator)[0])
-                self._accept(req, token)
+                if isinstance(pick, Exception):
+                    raise pick
+                self._accept(req, *pick)
             except Exception as e:
                 self._fail(req, e, free=False)
             if req.finished:
@@ -417,10 +405,11 @@ class Engine:
         for req in done:
             self._free(req)
 
-    def _accept(self, req: Request, token: int) -> None:
+    def _accept(self, req: Request, token: int, logprob: Optional[TokenLogprob] = None) -> None:
         now = time.monotonic()
         m = self.metrics
         req.n_generated += 1
+        req.output_ids.append(token)
         m.generation_tokens.inc()
         if req.first_token_time is None:
             req.first_token_time = now
@@ -436,7 +425,11 @@ class Engine:
             reason = "stop" if stops.stopped else "length"
         if reason is not None:
             req.finish_reason = reason
-        self._emit(req, Event(text, [token] if stops.kept else [], reason, None, len(req.prompt), req.n_generated))
+        event = Event(text, [token] if stops.kept else [], reason, None, len(req.prompt), req.n_generated,
+                      [logprob] if logprob is not None else [])  # a stop id's too, as vLLM reports it
+        if req.n_generated == 1:
+            event.prompt_logprobs = req.prompt_logprobs
+        self._emit(req, event)
         if reason is None:
             req.pending = token
         else:
@@ -465,6 +458,7 @@ class Engine:
 
     def _free(self, req: Request) -> None:
         """Give the slot back; the last running request moves into the hole so slots stay ``0 .. n - 1``."""
+        self._remember(req)
         slot = req.slot
         if slot is None:
             return

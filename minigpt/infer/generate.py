@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from minigpt.errors import MiniGPTError
-from minigpt.infer.sampling import InvalidRequest, SamplingParams, check_length, sample
+from minigpt.infer.sampling import InvalidRequest, SamplingParams, check_length, process_logits, sample
 from minigpt.infer.stops import StopChecker
 from minigpt.model.transformer import Transformer
 
@@ -31,8 +31,9 @@ def generate_tokens(
     stop_ids: Sequence[int] = (),
     truncate: bool = False,
 ) -> Iterator[int]:
-    """Yield up to ``params.max_tokens`` new token ids for one prompt, sampled with ``params`` (temperature,
-    top-k, top-p, seed), stopping after any id in ``stop_ids`` (the stop id itself is not yielded). Stop strings
+    """Yield up to ``params.max_tokens`` new token ids for one prompt, sampled with ``params`` (penalties, bias,
+    temperature, min-p, top-k, top-p, seed), stopping after any id in ``stop_ids`` or ``params.stop_token_ids``
+    (the stop id itself is not yielded). Stop strings
     (``params.stop``) need text: a caller that decodes applies them with :class:`~minigpt.infer.stops.StopChecker`.
 
     The prompt is prefilled in a single forward pass; each further token costs one cached forward of length 1.
@@ -49,14 +50,16 @@ def generate_tokens(
     generator = make_generator(params.seed, device)
     cache = model.new_kv_cache(1, len(prompt) + max_tokens)
     x = torch.tensor([prompt], dtype=torch.long, device=device)
-    stop = set(stop_ids)
+    stop = set(stop_ids) | set(params.stop_token_ids)
     logits = prefill(model, x, cache)
     pos = len(prompt)
+    out: list[int] = []  # for the penalties (process_logits: the same tensor back when none is asked)
     for i in range(max_tokens):
-        token = sample(logits, params, generator)
+        token = sample(process_logits(logits, [params], [prompt], [out]), params, generator)
         t = int(token.item())
         if t in stop:
             return
+        out.append(t)
         yield t
         if i + 1 < max_tokens:
             logits = decode_step(model, token.view(1, 1), pos, cache)

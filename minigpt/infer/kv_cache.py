@@ -77,6 +77,13 @@ class SlotKVCache(KVCache):
             vl[rows, :, start_pos] = v[:, :, 0]
         return kl[rows, :, :end], vl[rows, :, :end]
 
+    def shift(self, slot: int, src: int, dst: int, length: int) -> None:
+        """Move columns ``src .. src + length`` of ``slot`` to ``dst .. dst + length`` (all layers; the ranges may
+        overlap)."""
+        if src != dst and length > 0:
+            self.k[:, slot, :, dst:dst + length] = self.k[:, slot, :, src:src + length].clone()
+            self.v[:, slot, :, dst:dst + length] = self.v[:, slot, :, src:src + length].clone()
+
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` columns of slot ``src`` into slot ``dst`` (all layers)."""
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]

@@ -166,7 +166,16 @@ class ServingMetrics:
         self.finished = r.add(Counter("minigpt_requests_finished_total",
                                       "Generations finished, by reason (stop, length, cancelled, timeout, error).",
                                       ("reason",)))
-        self.prompt_tokens = r.add(Counter("minigpt_prompt_tokens_total", "Prompt tokens prefilled."))
+        self.prompt_tokens = r.add(Counter("minigpt_prompt_tokens_total",
+                                           "Prompt tokens of admitted requests, prefilled or from the prefix cache."))
+        # vLLM exports the same pair as prefix_cache_queries / prefix_cache_hits (in tokens).
+        self.prefix_cache_hit_tokens = r.add(Counter(
+            "minigpt_prefix_cache_hit_tokens_total",
+            "Prompt tokens whose keys/values were copied (prefix cache or a request sharing the prompt), not prefilled."))
+        self.prefix_cache_hit_rate = r.add(Gauge(
+            "minigpt_prefix_cache_hit_rate", "minigpt_prefix_cache_hit_tokens_total / minigpt_prompt_tokens_total."))
+        self.prefix_cache_bytes = r.add(Gauge("minigpt_prefix_cache_bytes", "Bytes of KV blocks in the prefix cache."))
+        self.prefix_cache_blocks = r.add(Gauge("minigpt_prefix_cache_blocks", "KV blocks in the prefix cache."))
         self.generation_tokens = r.add(Counter("minigpt_generation_tokens_total", "Tokens generated."))
         self.queue_depth = r.add(Gauge("minigpt_queue_depth", "Requests waiting for a KV-cache slot."))
         self.running = r.add(Gauge("minigpt_running_batch_size", "Requests holding a KV-cache slot right now."))
@@ -182,6 +191,14 @@ class ServingMetrics:
                                     "Seconds between consecutive generated tokens of a request.", LATENCY_BUCKETS))
         self.e2e = r.add(Histogram("minigpt_request_duration_seconds",
                                    "Seconds from a request's arrival to its last token.", LATENCY_BUCKETS))
+
+    def update_prefix_cache(self, cache) -> None:
+        """Refresh the prefix-cache gauges from ``cache`` (a :class:`~minigpt.infer.prefix_cache.PrefixCache` or
+        None) and the hit counters."""
+        prompt = self.prompt_tokens.value()
+        self.prefix_cache_hit_rate.set(self.prefix_cache_hit_tokens.value() / prompt if prompt else 0.0)
+        self.prefix_cache_bytes.set(cache.nbytes if cache is not None else 0)
+        self.prefix_cache_blocks.set(cache.n_blocks if cache is not None else 0)
 
     def render(self) -> str:
         return self.registry.render()

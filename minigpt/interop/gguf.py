@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, BinaryIO, Iterator, Optional
 
 import numpy as np
 import torch
@@ -219,50 +219,94 @@ def read_gguf(path: str | Path) -> GGUFFile:
     return GGUFFile(Path(path), _config(meta, names, str(path)), meta, reader.tensors)
 
 
-def dequantize(tensor, where: str) -> torch.Tensor:
-    """One GGUF tensor as float32, in our ``[out_features, in_features]`` order."""
+def _read_data(tensor, file: BinaryIO, where: str) -> np.ndarray:
+    """A tensor's stored bytes read from ``file`` into memory of their own, shaped as the reader's memory-mapped view
+    (whose dtype and shape are known without touching its pages): pages of a mapping stay resident, and counted in
+    the process's memory, until the whole file is unmapped; a buffer read here is freed with the tensor."""
+    file.seek(tensor.data_offset)
+    raw = file.read(int(tensor.n_bytes))
+    if len(raw) != int(tensor.n_bytes):
+        raise MiniGPTError(f"{where} is truncated: tensor {_escape(tensor.name)} needs {tensor.n_bytes} bytes at "
+                           f"offset {tensor.data_offset}")
+    return np.frombuffer(raw, dtype=tensor.data.dtype).reshape(tensor.data.shape)
+
+
+def dequantize(tensor, where: str, file: Optional[BinaryIO] = None) -> torch.Tensor:
+    """One GGUF tensor as float32, in our ``[out_features, in_features]`` order; its bytes are read from ``file``
+    (the GGUF, open for binary reading) when given, else from the reader's memory map."""
     from gguf import quants
 
     kind = tensor.tensor_type.name
     if kind not in READ_TYPES:
         raise MiniGPTError(f"{where}: tensor {_escape(tensor.name)} has quantization type {kind}, which is not "
                            f"supported; supported: {', '.join(READ_TYPES)}")
+    data = tensor.data if file is None else _read_data(tensor, file, where)
     try:
-        values = quants.dequantize(tensor.data, tensor.tensor_type)
+        values = quants.dequantize(data, tensor.tensor_type)
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
     except (ValueError, NotImplementedError) as e:
         raise MiniGPTError(f"{where}: cannot dequantize {_escape(tensor.name)} ({kind}): {_brief(e)}") from None
 
 
-def read_gguf_weights(gf: GGUFFile) -> dict[str, torch.Tensor]:
-    """All tensors dequantized to float32 under our names, q/k rows permuted back to the rotate-half layout (llama);
-    qwen2's missing o-projection bias is zeros (our ``attention_bias`` layout has one; zeros compute the same)."""
-    c, out, unknown = gf.config, {}, []
-    interleaved = gf.metadata.get("general.architecture") == "llama"
+def _named_tensors(gf: GGUFFile) -> list[tuple[str, Any]]:
+    """``(our name, tensor record)`` of every tensor; raises :class:`MiniGPTError` naming those a Llama model does
+    not have."""
+    named, unknown = [], []
     for t in gf.tensors:
         try:
-            key = from_gguf_key(t.name)
+            named.append((from_gguf_key(t.name), t))
         except KeyError:
             unknown.append(t.name)
-            continue
-        w = dequantize(t, str(gf.path))
-        heads = c.n_heads if ".wq." in key else c.n_kv_heads if ".wk." in key else None
-        if heads is not None:
-            # The permutation needs the rows the metadata implies; the load's shape check names other mismatches.
-            if w.shape[0] != heads * c.head_dim:
-                raise MiniGPTError(f"{gf.path}: tensor {_escape(t.name)} has {w.shape[0]} rows but the metadata "
-                                   f"implies {heads} heads x {c.head_dim}")
-            if interleaved:
-                w = interleaved_to_half(w, heads)
-        out[key] = w
-    if not interleaved:
-        # Over the tensors present, not range(n_layers): the file's layer count is checked against them later.
-        for key in [k for k in out if k.endswith("attention.wo.weight")]:
-            out.setdefault(key.removesuffix("weight") + "bias", torch.zeros(c.dim))
     if unknown:
         raise MiniGPTError(f"{gf.path}: tensors a Llama model does not have: {_escape(str(unknown[:5]))}")
-    return out
+    return named
+
+
+def _zero_o_bias(gf: GGUFFile, keys) -> list[str]:
+    """qwen2 (non-interleaved) files: the o-projection biases our ``attention_bias`` layout has and qwen2 lacks, over
+    the tensors present, not range(n_layers): the file's layer count is checked against them later."""
+    if gf.metadata.get("general.architecture") == "llama":
+        return []
+    return [k.removesuffix("weight") + "bias" for k in keys if k.endswith("attention.wo.weight")]
+
+
+def gguf_tensor_shapes(gf: GGUFFile) -> dict[str, tuple[int, ...]]:
+    """Our name -> shape (``[out_features, in_features]``) of every tensor :func:`iter_gguf_weights` yields, read
+    from the header alone."""
+    shapes = {key: tuple(int(d) for d in reversed(t.shape.tolist())) for key, t in _named_tensors(gf)}
+    shapes.update({key: (gf.config.dim,) for key in _zero_o_bias(gf, list(shapes))})
+    return shapes
+
+
+def iter_gguf_weights(gf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(our name, float32 tensor)`` one at a time, in file order: each dequantized when it is reached and read into
+    memory of its own, so that a caller that converts and drops each (int8 loading) never holds more than one float
+    tensor. q/k rows are permuted back to the rotate-half layout (llama); qwen2's missing o-projection biases come
+    last, as zeros (our ``attention_bias`` layout has one; zeros compute the same). Raises :class:`MiniGPTError` as
+    :func:`dequantize`, for unknown tensor names, or for q/k rows that do not match the metadata's heads."""
+    c = gf.config
+    named = _named_tensors(gf)
+    interleaved = gf.metadata.get("general.architecture") == "llama"
+    with open(gf.path, "rb") as file:
+        for key, t in named:
+            w = dequantize(t, str(gf.path), file)
+            heads = c.n_heads if ".wq." in key else c.n_kv_heads if ".wk." in key else None
+            if heads is not None:
+                # The permutation needs the rows the metadata implies; the load's shape check names other mismatches.
+                if w.shape[0] != heads * c.head_dim:
+                    raise MiniGPTError(f"{gf.path}: tensor {_escape(t.name)} has {w.shape[0]} rows but the metadata "
+                                       f"implies {heads} heads x {c.head_dim}")
+                if interleaved:
+                    w = interleaved_to_half(w, heads)
+            yield key, w
+    for key in _zero_o_bias(gf, [key for key, _ in named]):
+        yield key, torch.zeros(c.dim)
+
+
+def read_gguf_weights(gf: GGUFFile) -> dict[str, torch.Tensor]:
+    """All tensors of :func:`iter_gguf_weights` in one dict (every tensor in float32 at once)."""
+    return dict(iter_gguf_weights(gf))
 
 
 def read_vocab(path: str | Path) -> Optional[Vocab]:

@@ -10,6 +10,11 @@ formula, materialising the ``[q_len, kv_len]`` scores) and ``flash_reference`` (
 :mod:`minigpt.model.flash_reference`). With ``pos_encoding="alibi"`` the ALiBi bias (:mod:`minigpt.model.positions`) is added
 to the scores and no rotation is applied.
 
+With ``ModelConfig.qk_norm`` every query and key head is RMS-normalised over its ``head_dim`` channels (a learned
+``[head_dim]`` gain shared by the heads, ``q_norm`` / ``k_norm`` as in Qwen3 and Gemma 3) before RoPE, so the
+logits ``q . k / sqrt(head_dim)`` are bounded by the gains whatever the scale of ``wq`` and ``wk`` (Dehghani et al.
+2023, "Scaling Vision Transformers to 22 Billion Parameters"; Wortsman et al. 2023; modded-nanoGPT).
+
 ``ModelConfig.sliding_window`` (Mistral; Beltagy et al. 2020, "Longformer") narrows the causal mask to a band: a
 query at position ``i`` sees the keys at ``i - sliding_window < j <= i``, the rule of ``transformers``'
 ``sliding_window_causal_mask_function``. The KV cache keeps every position; the band is applied by the mask alone.
@@ -26,6 +31,7 @@ from torch import nn
 from minigpt.model.config import ModelConfig
 from minigpt.model.flash_reference import flash_attention
 from minigpt.model.kv_cache import KVCache
+from minigpt.model.norm import RMSNorm
 from minigpt.model.positions import Alibi
 from minigpt.model.rope import rope_rotate, signed_sine
 
@@ -123,6 +129,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=bias)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=bias)
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=bias)
+        if config.qk_norm:  # absent otherwise: a model without the option has exactly the parameters it always had
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
+        self.qk_norm = config.qk_norm
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(
@@ -149,6 +159,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # over head_dim, before the rotation (Qwen3, OLMo-2 order)
         if cos is not None:
             # The tables in the activations' dtype and the sine signed, once for q and k.
             cos, sin_signed = cos.to(q.dtype), signed_sine(sin).to(q.dtype)

@@ -30,14 +30,15 @@ def swiglu_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[f
 POS_ENCODINGS = ("rope", "alibi", "learned", "sinusoidal", "none")
 NORMS = ("rmsnorm", "layernorm")
 NORM_POSITIONS = ("pre", "post")
-FFNS = ("swiglu", "geglu", "gelu", "relu")
+FFNS = ("swiglu", "geglu", "gelu", "relu", "relu2")
 GATED_FFNS = ("swiglu", "geglu")
 ATTENTION_IMPLS = ("sdpa", "naive", "flash_reference")
 
 
 def ffn_hidden_dim(dim: int, ffn: str, multiple_of: int, ffn_dim_multiplier: Optional[float] = None) -> int:
     """Default FFN width for ``ffn``: gated FFNs (SwiGLU, GeGLU) use :func:`swiglu_hidden_dim`; plain MLPs
-    (GELU, ReLU) use ``4 * dim`` (Vaswani et al. 2017; GPT-2), scaled and rounded up to ``multiple_of`` the same way.
+    (GELU, ReLU, ReLU²) use ``4 * dim`` (Vaswani et al. 2017; GPT-2), scaled and rounded up to ``multiple_of`` the
+    same way.
 
     A gated FFN has three ``dim x hidden`` matrices and a plain one two, so the 2/3 rule keeps the two within a
     rounding step of the same parameter count (Shazeer 2020, section 2).
@@ -60,7 +61,10 @@ class ModelConfig:
     Architecture variants (the defaults are Llama's, and a default config builds exactly the model it always did):
     ``pos_encoding``, ``norm``, ``norm_position``, ``ffn``, ``attention_impl`` (all three implementations compute
     the same function), ``sliding_window`` (Mistral's local attention, :mod:`minigpt.model.attention`), and a
-    mixture of experts when ``n_experts > 0`` (see :mod:`minigpt.model.moe`).
+    mixture of experts when ``n_experts > 0`` (see :mod:`minigpt.model.moe`). Training-recipe options, all off by
+    default: ``qk_norm`` (RMSNorm of each query and key head before RoPE), ``ffn="relu2"`` (squared ReLU) and
+    ``logit_softcap`` (``cap * tanh(logits / cap)`` on the LM head's output); an untied head is
+    ``tie_embeddings=False``.
     Raises ``ValueError`` naming the bad field and the fix.
     """
 
@@ -95,9 +99,17 @@ class ModelConfig:
     pos_encoding: str = "rope"  # rope | alibi | learned | sinusoidal | none
     norm: str = "rmsnorm"  # rmsnorm | layernorm
     norm_position: str = "pre"  # pre (x + f(norm(x))) | post (norm(x + f(x)), the 2017 Transformer)
-    ffn: str = "swiglu"  # swiglu | geglu | gelu | relu
+    ffn: str = "swiglu"  # swiglu | geglu | gelu | relu | relu2
     attention_impl: str = "sdpa"  # sdpa | naive | flash_reference
     attention_block_size: int = 64  # query/key tile size of flash_reference
+    # --- recipe options (modded-nanoGPT's speedrun recipe; off by default, so older checkpoints load unchanged)
+    # RMSNorm (with a learned [head_dim] gain shared by the heads) of every query and key head before RoPE, as
+    # Qwen3's and Gemma 3's q_norm / k_norm (Dehghani et al. 2023; Wortsman et al. 2023): bounds the attention
+    # logits, so higher learning rates stay stable.
+    qk_norm: bool = False
+    # Soft-capping of the output logits, cap * tanh(logits / cap) (Gemma 2's final_logit_softcapping, 30.0;
+    # modded-nanoGPT uses 15-30): logits stay in (-cap, cap). None = no capping.
+    logit_softcap: Optional[float] = None
     # --- mixture of experts: n_experts = 0 is a dense model
     n_experts: int = 0
     n_experts_per_token: int = 2  # top-k
@@ -154,6 +166,13 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.rope_scaling rescales RoPE but pos_encoding is "
                                  f"{self.pos_encoding!r}: remove rope_scaling or use pos_encoding='rope'")
             validate_rope_scaling(self.rope_scaling)
+        if not isinstance(self.qk_norm, bool):
+            raise ValueError(f"ModelConfig.qk_norm must be true or false, got {self.qk_norm!r}")
+        if self.logit_softcap is not None and (isinstance(self.logit_softcap, bool)
+                                               or not isinstance(self.logit_softcap, (int, float))
+                                               or not 0 < self.logit_softcap < float("inf")):
+            raise ValueError(f"ModelConfig.logit_softcap must be a positive number (the cap, e.g. 30.0) or None for "
+                             f"no soft-capping, got {self.logit_softcap!r}")
         if self.attention_impl == "flash_reference" and self.attention_dropout > 0:
             raise ValueError("ModelConfig.attention_dropout > 0 is not supported by attention_impl='flash_reference' "
                              "(its backward pass recomputes the probabilities); use 'sdpa' or 'naive', or set "

@@ -1,5 +1,6 @@
 """Position-wise feed-forward networks: the gated SwiGLU (Llama) and GeGLU (Shazeer 2020, "GLU Variants Improve
-Transformer"), and the plain two-layer MLP with GELU (Hendrycks & Gimpel 2016; GPT-2) or ReLU (Vaswani et al. 2017).
+Transformer"), and the plain two-layer MLP with GELU (Hendrycks & Gimpel 2016; GPT-2), ReLU (Vaswani et al. 2017) or
+squared ReLU (So et al. 2021, "Primer"; modded-nanoGPT's MLP).
 
 Names follow the Llama reference: ``w1`` is the first (gate) projection, ``w3`` the up projection of a gated FFN,
 ``w2`` the down projection back into the residual stream.
@@ -12,11 +13,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """Squared ReLU, ``max(x, 0) ** 2`` (So et al. 2021, "Primer", section 3; modded-nanoGPT), elementwise."""
+    return F.relu(x).square()
+
+
 # The activation of each FFN kind (``ModelConfig.ffn``); the gated kinds apply it to the gate and multiply by the
 # up projection. GELU is the exact (erf) form throughout (Hendrycks & Gimpel 2016, eq. 1; Shazeer 2020, eq. 6).
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "swiglu": F.silu, "geglu": F.gelu, "gelu": F.gelu, "relu": F.relu}
+    "swiglu": F.silu, "geglu": F.gelu, "gelu": F.gelu, "relu": F.relu, "relu2": relu2}
 GATED = frozenset({"swiglu", "geglu"})
+PLAIN = frozenset(ACTIVATIONS) - GATED  # two-matrix MLPs
 
 
 def ffn_hidden(kind: str, h1: torch.Tensor, h3: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -59,15 +67,16 @@ class GeGLU(SwiGLU):
 
 
 class MLP(nn.Module):
-    """``w2(act(w1 x))`` with ``act`` = ``"gelu"`` (exact erf form) or ``"relu"``; two matrices, no gate.
+    """``w2(act(w1 x))`` with ``act`` = ``"gelu"`` (exact erf form), ``"relu"`` or ``"relu2"`` (squared ReLU); two
+    matrices, no gate.
 
     Shapes: ``[batch, seq_len, dim] -> [batch, seq_len, dim]`` through ``hidden_dim`` channels.
     """
 
     def __init__(self, dim: int, hidden_dim: int, activation: str, bias: bool = False, dropout: float = 0.0) -> None:
         super().__init__()
-        if activation not in ("gelu", "relu"):
-            raise ValueError(f"MLP activation must be 'gelu' or 'relu', got {activation!r}")
+        if activation not in PLAIN:
+            raise ValueError(f"MLP activation must be one of {sorted(PLAIN)}, got {activation!r}")
         self.kind = activation
         self.w1 = nn.Linear(dim, hidden_dim, bias=bias)
         self.w2 = nn.Linear(hidden_dim, dim, bias=bias)
@@ -78,11 +87,12 @@ class MLP(nn.Module):
 
 
 def build_ffn(kind: str, dim: int, hidden_dim: int, bias: bool = False, dropout: float = 0.0) -> nn.Module:
-    """The FFN named by ``ModelConfig.ffn``: ``swiglu``, ``geglu``, ``gelu`` or ``relu``; ``ValueError`` otherwise."""
+    """The FFN named by ``ModelConfig.ffn``: ``swiglu``, ``geglu``, ``gelu``, ``relu`` or ``relu2``; ``ValueError``
+    otherwise."""
     if kind == "swiglu":
         return SwiGLU(dim, hidden_dim, bias, dropout)
     if kind == "geglu":
         return GeGLU(dim, hidden_dim, bias, dropout)
-    if kind in ("gelu", "relu"):
+    if kind in PLAIN:
         return MLP(dim, hidden_dim, kind, bias, dropout)
-    raise ValueError(f"ModelConfig.ffn must be one of swiglu, geglu, gelu, relu; got {kind!r}")
+    raise ValueError(f"ModelConfig.ffn must be one of {sorted(ACTIVATIONS)}; got {kind!r}")

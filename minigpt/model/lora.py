@@ -213,3 +213,100 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
             seen.add(id(p))
             out.append(p)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------- many adapters
+class AdapterRows:
+    """Which adapter serves each row of the next forward, shared by every :class:`MultiLoRA` of one model: ``ids``
+    int64 ``[batch]`` (0 = the base model alone), or ``uniform`` when every row has the same one."""
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = device
+        self.ids: Optional[torch.Tensor] = None
+        self.uniform: Optional[int] = 0
+
+    def set_rows(self, ids: list[int]) -> None:
+        """Route the rows of the next forward: ``ids[i]`` serves row ``i``."""
+        first = ids[0] if ids else 0
+        self.uniform = first if all(i == first for i in ids) else None
+        self.ids = None if self.uniform is not None else torch.tensor(ids, dtype=torch.long, device=self.device)
+
+
+class MultiLoRA:
+    """The LoRA updates of several adapters for one (possibly fused) projection, applied per row: S-LoRA's and
+    Punica's batched gather (Sheng et al. 2023, "S-LoRA: Serving Thousands of Concurrent LoRA Adapters"; Chen et
+    al. 2023, "Punica: Multi-Tenant LoRA Serving", its BGMV kernel), here with ``torch.bmm`` over gathered weights.
+
+    ``a`` ``[n_adapters + 1, rank, in]`` and ``b`` ``[n_adapters + 1, out, rank]`` stack every adapter's ``A`` and
+    ``scaling * B`` (index 0: zeros, the base model). A fused projection (the fast path's ``wq|wk|wv``) stacks its
+    parts' ranks side by side with ``b`` block-diagonal, so one pair of products serves all parts; smaller ranks
+    are zero-padded. ``__call__(x [batch, seq, in]) -> [batch, seq, out]`` (or None when every row is the base):
+    row ``i`` gets ``x_i A_{id_i}^T (scaling B_{id_i})^T``.
+    """
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, rows: AdapterRows) -> None:
+        self.a, self.b, self.rows = a, b, rows
+
+    @classmethod
+    def stack(cls, parts: list[list[Optional[tuple[torch.Tensor, torch.Tensor, float]]]], in_features: int,
+              out_features: list[int], rows: AdapterRows, device=None) -> Optional["MultiLoRA"]:
+        """``parts[adapter][p]``: adapter ``adapter + 1``'s ``(A [r, in], B [out_p, r], scaling)`` for part ``p``
+        of the projection (output widths ``out_features``), or None where it does not adapt that part. None when no
+        adapter adapts any part."""
+        ranks = [max((ad[p][0].shape[0] for ad in parts if ad[p] is not None), default=0)
+                 for p in range(len(out_features))]
+        if not sum(ranks):
+            return None
+        n = len(parts) + 1
+        a = torch.zeros(n, sum(ranks), in_features, device=device)
+        b = torch.zeros(n, sum(out_features), sum(ranks), device=device)
+        for i, adapter in enumerate(parts, start=1):
+            r0, o0 = 0, 0
+            for p, part in enumerate(adapter):
+                if part is not None:
+                    pa, pb, scaling = part
+                    r = pa.shape[0]
+                    a[i, r0:r0 + r] = pa.float()
+                    b[i, o0:o0 + out_features[p], r0:r0 + r] = pb.float() * scaling
+                r0, o0 = r0 + ranks[p], o0 + out_features[p]
+        return cls(a, b, rows)
+
+    def __call__(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        uniform = self.rows.uniform
+        if uniform == 0:
+            return None
+        x32 = x.float()
+        if uniform is not None:  # one adapter for the whole batch: plain products, no gather
+            return ((x32 @ self.a[uniform].T) @ self.b[uniform].T).to(x.dtype)
+        ids = self.rows.ids
+        return torch.bmm(torch.bmm(x32, self.a[ids].transpose(1, 2)), self.b[ids].transpose(1, 2)).to(x.dtype)
+
+
+class WithAdapters:
+    """A projection ``base`` (any callable ``[..., in] -> [..., out]``) plus the per-row updates of a
+    :class:`MultiLoRA`; rows served by the base model get exactly ``base(x)``."""
+
+    def __init__(self, base, lora: MultiLoRA) -> None:
+        self.base, self.lora = base, lora
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        delta = self.lora(x)
+        return y if delta is None else y + delta
+
+    def __getattr__(self, name: str):  # nbytes, weight, ...: the base projection's
+        return getattr(self.__dict__["base"], name)
+
+
+class MultiLoRALinear(nn.Module):
+    """An ``nn.Linear`` / :class:`Int8Linear` ``base_layer`` plus the per-row updates of a :class:`MultiLoRA`
+    (for models that run their own forward rather than the fast path)."""
+
+    def __init__(self, base_layer: nn.Module, lora: MultiLoRA) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.adapted = WithAdapters(base_layer, lora)
+        self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.adapted(x)

@@ -4,7 +4,9 @@ Architecture of Llama (Touvron et al. 2023): pre-norm residual blocks (Xiong et 
 grouped-query attention and a SwiGLU FFN; the LM head shares the embedding matrix when ``tie_embeddings``
 (Press & Wolf 2017). The config's variant fields swap in the older or alternative choices: post-norm blocks
 (Vaswani et al. 2017, no final norm), LayerNorm, ALiBi / learned / sinusoidal / no positions, GeGLU / GELU / ReLU
-FFNs, and mixture-of-experts FFNs (:mod:`minigpt.model.moe`).
+FFNs, and mixture-of-experts FFNs (:mod:`minigpt.model.moe`). Recipe options: QK-norm
+(:mod:`minigpt.model.attention`), the squared-ReLU MLP (:mod:`minigpt.model.ffn`), an untied head and logit
+soft-capping (:func:`softcap`).
 """
 from __future__ import annotations
 
@@ -72,6 +74,15 @@ class Block(nn.Module):
         return pre_norm_residual(x, self.attention_norm,
                                  lambda y: self.attention(y, cos, sin, start_pos, kv_cache, mask, alibi),
                                  self.ffn_norm, self.feed_forward)
+
+
+def softcap(logits: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """``cap * tanh(logits / cap)`` (Gemma 2's ``final_logit_softcapping``; modded-nanoGPT): a smooth clamp of
+    ``logits`` ``[..., vocab_size]`` into ``(-cap, cap)`` that is the identity to first order near 0. ``cap`` None
+    returns ``logits`` unchanged."""
+    if cap is None:
+        return logits
+    return cap * torch.tanh(logits / cap)
 
 
 def positions_from_mask(attention_mask: torch.Tensor, start_pos: int, seq_len: int) -> torch.Tensor:
@@ -225,7 +236,7 @@ class Transformer(nn.Module):
         h = self.dropout(self.tok_embeddings(tokens))
         for layer in self.layers:
             h = layer(h, cos, sin, start_pos, kv_cache, mask)
-        return self.output(self.norm(h))
+        return self.logits(h)
 
     def _forward_variant(self, tokens, start_pos, kv_cache, attention_mask) -> torch.Tensor:
         """:meth:`forward` for models without RoPE (``pos_encoding`` alibi / learned / sinusoidal / none)."""
@@ -255,7 +266,13 @@ class Transformer(nn.Module):
         h = self.dropout(h)
         for layer in self.layers:
             h = layer(h, None, None, start_pos, kv_cache, mask, alibi)
-        return self.output(self.norm(h))
+        return self.logits(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The model's top: final norm, LM head and (with ``logit_softcap``) soft-capping, ``[batch, seq_len, dim]``
+        -> ``[batch, seq_len, vocab_size]``. Every forward over the blocks ends here (also the packed one of
+        :mod:`minigpt.posttrain.packing`)."""
+        return softcap(self.output(self.norm(h)), self.config.logit_softcap)
 
     def moe_layers(self) -> list[MoE]:
         """The :class:`~minigpt.model.moe.MoE` FFNs, in layer order (empty for a dense model)."""

@@ -1,4 +1,4 @@
-"""Direct Preference Optimization (DPO), full or LoRA: a small loop, readable top to bottom.
+"""Direct Preference Optimization (DPO), full or LoRA: a recipe of the shared trainer.
 
 DPO (Rafailov et al. 2023, "Direct Preference Optimization: Your Language Model is Secretly a Reward Model", eq. 7)
 trains a policy ``pi`` on pairs (prompt ``x``, preferred answer ``y_c``, dispreferred ``y_r``) against a frozen
@@ -26,40 +26,33 @@ reference at step 0 and the implicit rewards start at exactly 0.
 Logged per row (``metrics.jsonl``, means over the pairs of the logged steps; TRL's names): ``loss``,
 ``rewards/chosen``, ``rewards/rejected`` (``beta`` times the log-ratios), ``rewards/accuracies`` (fraction with
 chosen reward > rejected reward), ``rewards/margins``, ``logps/chosen``, ``logps/rejected`` (summed answer
-log-probs, nats), plus ``lr``, ``grad_norm``, ``tokens_per_s`` and, with validation pairs, the same metrics prefixed
-``val_`` (TRL: ``eval_``).
+log-probs, nats), plus the trainer's ``lr``, ``grad_norm``, ``tokens_per_s`` (real tokens) and, with validation
+pairs, the same metrics prefixed ``val_`` (TRL: ``eval_``).
 
-Output ``out_dir`` (atomic): a MiniGPT model directory (LoRA merged in), its chat template, ``metrics.jsonl``,
-``dpo_config.json`` and, with LoRA, ``adapter/`` in PEFT's format.
+The trainer (:class:`minigpt.train.trainer.Trainer`) runs the steps: exact resume, DDP / FSDP, checkpoints, loss
+plot. Output ``out_dir``: the layout of :mod:`minigpt.posttrain.recipe`, options in ``dpo_config.json``.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import json
-import math
 import random
-import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minigpt.checkpoint.native import load_chat_template, load_model, load_tokenizer, resolve_checkpoint
+from minigpt.checkpoint.native import load_chat_template, load_tokenizer
 from minigpt.data.chat import SkipReport, token_losses
 from minigpt.data.preference import PairBatch, PreferencePair, load_preference_dataset, pad_pairs, read_preferences
 from minigpt.errors import MiniGPTError
-from minigpt.model.lora import adapters_disabled, apply_lora, lora_layers, trainable_parameters
-from minigpt.model.quant import is_quantized
-from minigpt.posttrain.sft import check_out_dir, prepare_chat, save_sft_output
-from minigpt.runtime import DTYPES, pick_device
+from minigpt.model.lora import adapters_disabled
+from minigpt.posttrain.recipe import EpochBatches, PostTrainConfig, PostTraining, pad_to
+from minigpt.posttrain.sft import prepare_chat
 from minigpt.tokenizer.chat_template import ChatTemplate
-from minigpt.train.mixed import autocast
-from minigpt.train.schedule import decay_progress, warmup_cosine_lr
+from minigpt.train.trainer import autocast_context
 
 LOSS_TYPES = ("sigmoid", "ipo")
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -67,58 +60,25 @@ METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "
 
 
 @dataclass
-class DPOConfig:
-    """Options of :func:`dpo`; ``lora_rank = None`` is full fine-tuning. ``lr`` defaults to 1e-6 (full; the DPO
-    paper's and TRL's default) or 5e-6 (LoRA; the alignment-handbook Zephyr QLoRA recipe). Without ``max_steps`` /
-    ``max_time`` the run lasts ``epochs`` epochs; ``warmup_steps`` defaults to 3% of the steps (cosine decay after)."""
+class DPOConfig(PostTrainConfig):
+    """Options of :func:`dpo` (and :class:`~minigpt.posttrain.recipe.PostTrainConfig`'s). ``lr`` defaults to 1e-6
+    (full; the DPO paper's and TRL's default) or 5e-6 (LoRA; the alignment-handbook Zephyr QLoRA recipe).
+    ``batch_size`` counts pairs (2x sequences); ``lora_dropout`` is kept in the adapter's config but switched off
+    during DPO like all dropout."""
 
-    model: str
-    data: str
-    out_dir: str
-    val_data: Optional[str] = None
     beta: float = 0.1
     loss: str = "sigmoid"
     precompute_ref: bool = False
-    lora_rank: Optional[int] = None
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.05  # kept in the adapter's config; switched off during DPO like all dropout
-    lora_targets: str = "all-linear"
-    max_steps: Optional[int] = None
-    max_time: Optional[float] = None
-    epochs: int = 1
-    lr: Optional[float] = None
-    min_lr_ratio: float = 0.1
-    warmup_steps: Optional[int] = None
-    batch_size: int = 8  # pairs per step (2x sequences)
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    seq_len: Optional[int] = None  # default: the model's max_seq_len; longer pairs are skipped
-    strict: bool = False
-    template: Optional[str] = None
-    log_interval: int = 10
-    eval_interval: int = 100
     max_val_pairs: int = 500
-    device: str = "auto"
-    dtype: str = "float32"
-    seed: int = 0
+
+    default_lr = (1e-6, 5e-6)
 
     def __post_init__(self) -> None:
         if not self.beta > 0:
             raise MiniGPTError(f"--beta must be positive, got {self.beta}")
         if self.loss not in LOSS_TYPES:
             raise MiniGPTError(f"--loss {self.loss!r}: choose one of {', '.join(LOSS_TYPES)}")
-        if self.batch_size <= 0 or self.epochs <= 0:
-            raise MiniGPTError("--batch-size and --epochs must be positive")
-        if self.max_steps is not None and self.max_steps <= 0:
-            raise MiniGPTError(f"--max-steps must be positive, got {self.max_steps}")
-        if self.dtype not in DTYPES:
-            raise MiniGPTError(f"--dtype {self.dtype!r}: choose one of {sorted(DTYPES)}")
-        if self.lr is None:
-            self.lr = 5e-6 if self.lora_rank else 1e-6
-
-    @property
-    def lora(self) -> bool:
-        return self.lora_rank is not None
+        super().__post_init__()
 
 
 # ------------------------------------------------------------------------------------------------ the loss
@@ -248,165 +208,116 @@ def evaluate(model, reference: Reference, pairs: list[PreferencePair], cfg: DPOC
 
 
 # ------------------------------------------------------------------------------------------------ training
-def _batches(pairs: list[PreferencePair], batch_size: int, pad_id: int, seed: int) -> Iterator[tuple[int, PairBatch]]:
-    """``(epoch, batch)`` forever, reshuffling every epoch (``seed + epoch``)."""
-    epoch = 0
-    while True:
-        order = list(range(len(pairs)))
-        random.Random(seed + epoch).shuffle(order)
-        for i in range(0, len(order), batch_size):
-            index = order[i : i + batch_size]
-            yield epoch, pad_pairs([pairs[j] for j in index], pad_id, index)
-        epoch += 1
+class DPO(PostTraining):
+    """The DPO recipe (see the module docstring)."""
 
+    cfg: DPOConfig
+    recipe, kind, config_file = "dpo", "DPO", "dpo_config.json"
 
-def train_dpo(model, train_pairs: list[PreferencePair], cfg: DPOConfig, pad_id: int, device,
-              val_pairs: Optional[list[PreferencePair]] = None, metrics_path: Optional[Path] = None,
-              ref_model=None) -> dict[str, Any]:
-    """Run DPO on ``model`` in place (all its trainable parameters: the whole model, or the LoRA adapters) and
-    return the last logged row. The reference is ``ref_model`` if given, else the adapters-disabled model (LoRA),
-    else a frozen copy of ``model``; with ``cfg.precompute_ref`` its log-probs are computed once up front."""
-    val_pairs = val_pairs or []
-    ctx_dtype = DTYPES[cfg.dtype]
-    ctx = lambda: autocast(device.type, ctx_dtype)  # noqa: E731
-    disable_dropout(model)
-    lora = bool(lora_layers(model))
-    if ref_model is None and not lora and not cfg.precompute_ref:
-        ref_model = copy.deepcopy(model).requires_grad_(False)
-    reference = Reference(model, ref_model)
-    if cfg.precompute_ref:
-        reference.precompute("train", train_pairs, cfg.batch_size, pad_id, device, ctx)
-        if val_pairs:
-            reference.precompute("val", val_pairs, cfg.batch_size, pad_id, device, ctx)
-    params = trainable_parameters(model)
-    if not params:
-        raise MiniGPTError("the model has no trainable parameters")
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
-    per_epoch = math.ceil(len(train_pairs) / cfg.batch_size)
-    max_steps = cfg.max_steps or (None if cfg.max_time else cfg.epochs * per_epoch)
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, round(0.03 * (max_steps or 1000)))
-    from tqdm import tqdm
+    def load_data(self) -> int:
+        cfg, model = self.cfg, self.loaded
+        report, val_report = SkipReport(), SkipReport()
+        records = read_preferences(cfg.data, cfg.strict, report)
+        val_records = read_preferences(cfg.val_data, cfg.strict, val_report) if cfg.val_data else []
+        self.tokenizer, model_template = load_tokenizer(self.source), load_chat_template(self.source)
+        self.saved_template = model_template
+        if cfg.template or any(r.conversational for r in records + val_records):
+            self.tokenizer, template, self.saved_template, self.new_ids = prepare_chat(
+                model, self.tokenizer, cfg.template, model_template)
+        else:  # standard (string) pairs: the template object only tokenizes
+            template = ChatTemplate(self.tokenizer)
+        tok = self.tokenizer
+        self.pad_id = tok.pad_id if tok.pad_id is not None else (tok.eos_id or 0)
+        eos_text = tok.decode([tok.eos_id]) if tok.eos_id is not None else None
+        self.seq_len = min(cfg.seq_len or model.config.max_seq_len, model.config.max_seq_len)
+        self.train_pairs = load_preference_dataset(cfg.data, template, self.seq_len, eos_text, cfg.strict, report,
+                                                   records)
+        self.say(report.summary(cfg.data, "pairs"), flush=True)
+        self.val_pairs: list[PreferencePair] = []
+        if cfg.val_data:
+            self.val_pairs = load_preference_dataset(cfg.val_data, template, self.seq_len, eos_text, cfg.strict,
+                                                     val_report, val_records)[: cfg.max_val_pairs]
+            self.say(val_report.summary(cfg.val_data, "pairs"), flush=True)
+        return len(self.train_pairs)
 
-    bar = tqdm(total=max_steps, unit="step", dynamic_ncols=True, disable=None)
-    batches = _batches(train_pairs, cfg.batch_size, pad_id, cfg.seed)
-    step, train_time, warmup_end, last = 0, 0.0, None, {}
-    window: dict[str, list[torch.Tensor]] = {k: [] for k in METRICS}
-    window_tokens, window_time = 0, 0.0
-    model.train()
-    try:
-        while (max_steps is None or step < max_steps) and (cfg.max_time is None or train_time < cfg.max_time):
-            t0 = time.perf_counter()
-            epoch, batch = next(batches)
-            batch = batch.to(device)
-            progress = decay_progress(step, warmup, max_steps, train_time, warmup_end, cfg.max_time)
-            lr = warmup_cosine_lr(step, lr=cfg.lr, min_lr=cfg.lr * cfg.min_lr_ratio, warmup_steps=warmup,
-                                  progress=progress)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss, values = batch_loss(model, reference, batch, "train", cfg.beta, cfg.loss, ctx)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            dt = time.perf_counter() - t0
-            train_time += dt
-            if warmup_end is None and step >= warmup:
-                warmup_end = train_time
-            for k, v in values.items():
-                window[k].append(v)
-            window_tokens += batch.tokens.numel() - batch.n_pad
-            window_time += dt
-            bar.update(1)
-            done = (max_steps is not None and step >= max_steps) or (cfg.max_time is not None
-                                                                      and train_time >= cfg.max_time)
-            if step % cfg.log_interval == 0 or step == 1 or done:
-                row = {"step": step, "epoch": epoch, **{k: torch.cat(v).mean().item() for k, v in window.items()},
-                       "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": window_tokens / max(window_time, 1e-9),
-                       "train_time": train_time}
-                if val_pairs and (step % cfg.eval_interval == 0 or done):
-                    row.update({f"val_{k}": v for k, v in evaluate(model, reference, val_pairs, cfg, pad_id, device,
-                                                                    ctx).items()})
-                _append(metrics_path, row)
-                last = row
-                msg = (f"step {step}: loss {row['loss']:.4f} margin {row['rewards/margins']:.3f} "
-                       f"acc {row['rewards/accuracies']:.2f}" + (f" | val acc {row['val_rewards/accuracies']:.2f}"
-                                                                  if "val_loss" in row else ""))
-                if bar.disable:
-                    print(msg, flush=True)
-                else:
-                    bar.set_postfix_str(msg, refresh=False)
-                window = {k: [] for k in METRICS}
-                window_tokens, window_time = 0, 0.0
-    except KeyboardInterrupt:
-        print(f"\ninterrupted at step {step}: saving", file=sys.stderr, flush=True)
-    finally:
-        bar.close()
-    if val_pairs and "val_loss" not in last:
-        last = {**last, "step": step, **{f"val_{k}": v for k, v in evaluate(model, reference, val_pairs, cfg, pad_id,
-                                                                             device, ctx).items()}}
-        _append(metrics_path, last)
-    return last
+    def adapt(self, model):
+        model = super().adapt(model)  # with LoRA, new token rows stay frozen: the reference shares them
+        disable_dropout(model)
+        return model
 
+    def build_model(self):
+        model = super().build_model()
+        cfg = self.cfg
+        # The reference: the adapters-disabled policy (LoRA), a table (precompute_ref), else a frozen copy.
+        self.ref_model = None if cfg.lora or cfg.precompute_ref else copy.deepcopy(model).requires_grad_(False)
+        return model
 
-def _append(path: Optional[Path], row: dict[str, Any]) -> None:
-    if path is not None:
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    def describe(self, model) -> str:
+        cfg = self.cfg
+        reference = "precomputed" if cfg.precompute_ref else "adapters disabled" if cfg.lora else "frozen copy"
+        return (f"{super().describe(model).replace(' DPO of', f' DPO ({cfg.loss}, beta {cfg.beta}) of')} | "
+                f"{len(self.train_pairs)} pairs, {self.steps_per_epoch} steps/epoch of {cfg.batch_size} | "
+                f"reference: {reference} | device {self.device}")
+
+    def tokens_per_micro_batch(self) -> int:
+        return 2 * self.cfg.batch_size * self.seq_len
+
+    def batch_tokens(self, batch: PairBatch) -> int:
+        return batch.tokens.numel() - batch.n_pad
+
+    def make_batches(self) -> EpochBatches:
+        cfg = self.cfg
+        if self.ref_model is not None:
+            self.ref_model.to(self.device)
+        self.reference = Reference(self.model, self.ref_model)
+        if cfg.precompute_ref:  # before a resumed run loads its weights: the reference is the starting model
+            ctx = lambda: autocast_context(self.device, self.dtype)  # noqa: E731
+            self.reference.precompute("train", self.train_pairs, cfg.batch_size, self.pad_id, self.device, ctx)
+            if self.val_pairs:
+                self.reference.precompute("val", self.val_pairs, cfg.batch_size, self.pad_id, self.device, ctx)
+
+        width = self.seq_len if cfg.compile else 0  # compiled: one shape for every step
+
+        def epoch_batches(epoch: int) -> list[PairBatch]:
+            order = list(range(len(self.train_pairs)))
+            random.Random(cfg.seed + epoch).shuffle(order)
+            return [pad_to(pad_pairs([self.train_pairs[j] for j in order[i : i + cfg.batch_size]], self.pad_id,
+                                     order[i : i + cfg.batch_size]), width, self.pad_id)
+                    for i in range(0, len(order), cfg.batch_size)]
+
+        return EpochBatches(epoch_batches, self.info.rank, self.info.world_size)
+
+    def batch_loss(self, forward, batch: PairBatch) -> torch.Tensor:
+        # The reference first: its (discarded) router losses are popped before the policy's, which the trainer adds.
+        ref = self.reference(batch, "train", contextlib.nullcontext)  # already under the trainer's autocast
+        logps = -token_losses(forward(batch.tokens), batch.labels).sum(-1)
+        n = logps.shape[0] // 2
+        lengths = batch.completion_lengths
+        losses, chosen_rewards, rejected_rewards = dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], self.cfg.beta,
+                                                            self.cfg.loss, lengths[:n], lengths[n:])
+        for k, v in pair_metrics(losses, chosen_rewards, rejected_rewards, logps[:n], logps[n:]).items():
+            self.record(k, v)
+        return losses.mean()
+
+    def evaluate(self) -> dict[str, float]:
+        """The logged metrics over the validation pairs (every rank scores all of them), prefixed ``val_``."""
+        if not self.val_pairs:
+            return {}
+        values = evaluate(self.model, self.reference, self.val_pairs, self.cfg, self.pad_id, self.device,
+                          lambda: autocast_context(self.device, self.dtype))
+        return {f"val_{k}": v for k, v in values.items()}
+
+    def progress_note(self, row: dict[str, Any]) -> str:
+        note = f" | margin {row['rewards/margins']:.3f} acc {row['rewards/accuracies']:.2f}"
+        return note + (f" | val acc {row['val_rewards/accuracies']:.2f}" if "val_loss" in row else "")
 
 
 def dpo(cfg: DPOConfig) -> dict[str, Any]:
-    """Train as ``cfg`` says and write ``cfg.out_dir`` (see the module docstring); returns the last metrics row.
+    """Train as ``cfg`` says and write ``cfg.out_dir`` (see the module docstring); returns the last metrics row
+    with the trainer's result.
 
     Raises :class:`MiniGPTError` for an unreadable model or data file, bad options, or no usable pair.
     """
-    torch.manual_seed(cfg.seed)
-    device = pick_device(cfg.device)
-    source = resolve_checkpoint(cfg.model)
-    out_dir = Path(cfg.out_dir)
-    check_out_dir(out_dir, source, "dpo_config.json", "DPO")
-    report = SkipReport()
-    records = read_preferences(cfg.data, cfg.strict, report)
-    val_report = SkipReport()
-    val_records = read_preferences(cfg.val_data, cfg.strict, val_report) if cfg.val_data else []
-    model = load_model(source, device=device)
-    if is_quantized(model):
-        raise MiniGPTError(f"{source} is int8-quantized; train the float model it was quantized from")
-    tokenizer, model_template = load_tokenizer(source), load_chat_template(source)
-    new_ids: list[int] = []
-    saved_template = model_template
-    if cfg.template or any(r.conversational for r in records + val_records):
-        tokenizer, template, saved_template, new_ids = prepare_chat(model, tokenizer, cfg.template, model_template)
-    else:  # standard (string) pairs: the template object only tokenizes
-        template = ChatTemplate(tokenizer)
-    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else (tokenizer.eos_id or 0)
-    eos_text = tokenizer.decode([tokenizer.eos_id]) if tokenizer.eos_id is not None else None
-    seq_len = min(cfg.seq_len or model.config.max_seq_len, model.config.max_seq_len)
-    train_pairs = load_preference_dataset(cfg.data, template, seq_len, eos_text, cfg.strict, report, records)
-    print(report.summary(cfg.data, "pairs"), flush=True)
-    val_pairs: list[PreferencePair] = []
-    if cfg.val_data:
-        val_pairs = load_preference_dataset(cfg.val_data, template, seq_len, eos_text, cfg.strict, val_report,
-                                            val_records)[: cfg.max_val_pairs]
-        print(val_report.summary(cfg.val_data, "pairs"), flush=True)
-
-    modules_to_save: list[str] = []
-    if cfg.lora:
-        apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
-        if new_ids:  # frozen here (the reference shares them), but saved: the adapter's base has the grown vocabulary
-            modules_to_save = ["embed_tokens"] if model.config.tie_embeddings else ["embed_tokens", "lm_head"]
-    n_trainable = sum(p.numel() for p in trainable_parameters(model))
-    print(f"{'LoRA' if cfg.lora else 'full'} DPO ({cfg.loss}, beta {cfg.beta}) of {source}: {n_trainable:,} of "
-          f"{sum(p.numel() for p in model.parameters()):,} parameters train | {len(train_pairs)} pairs, "
-          f"{math.ceil(len(train_pairs) / cfg.batch_size)} batches/epoch of {cfg.batch_size} | reference: "
-          f"{'precomputed' if cfg.precompute_ref else 'adapters disabled' if cfg.lora else 'frozen copy'} | "
-          f"device {device}", flush=True)
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    metrics_path = out_dir / "metrics.jsonl"
-    metrics_path.write_text("")
-    last = train_dpo(model, train_pairs, cfg, pad_id, device, val_pairs, metrics_path)
-    save_sft_output(model, tokenizer, saved_template, out_dir, cfg, str(source), modules_to_save,
-                    config_file="dpo_config.json")
-    print(f"wrote {out_dir}" + (f" (adapter in {out_dir / 'adapter'})" if cfg.lora else ""), flush=True)
-    return last
+    recipe = DPO(cfg)
+    result = recipe.run()
+    return {**result, **recipe.last_row, **{k: v for k, v in result.items() if k.startswith("val_")}}

@@ -11,6 +11,9 @@ fine-tuning (Krell et al. 2021, "Efficient Sequence Packing without Cross-contam
   into NaN).
 
 The logits at every real token then equal those of the conversation run alone (tested to 1e-5).
+
+:func:`with_packed_forward` gives a model this path through its own ``forward`` (keyword arguments
+``position_ids`` / ``doc_ids``), so that training reaches it through the DDP / FSDP wrapper and ``torch.compile``.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from typing import Optional
 import torch
 
 from minigpt.errors import MiniGPTError
+from minigpt.model.transformer import Transformer
 
 
 def document_mask(doc_ids: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
@@ -33,9 +37,13 @@ def document_mask(doc_ids: torch.Tensor, window: Optional[int] = None) -> torch.
     return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
 
 
-def packed_forward(model, tokens: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+def packed_forward(model, tokens: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor,
+                   positions_below: Optional[int] = None) -> torch.Tensor:
     """Logits ``[batch, seq_len, vocab_size]`` of packed ``tokens`` ``[batch, seq_len]``, with per-token
     ``position_ids`` and ``doc_ids`` (both ``[batch, seq_len]``; see :class:`minigpt.data.chat.Batch`).
+    ``positions_below``: a bound on ``position_ids`` known without looking (packed rows: their width, as every
+    conversation's positions restart at 0 inside the row), which spares a host sync and lets ``torch.compile``
+    trace the whole forward.
 
     Raises :class:`MiniGPTError` for a model without RoPE or with dynamic-NTK RoPE (whose tables depend on the
     whole batch's length): train those with padded batches (``--no-pack``).
@@ -45,13 +53,33 @@ def packed_forward(model, tokens: torch.Tensor, position_ids: torch.Tensor, doc_
                            "use padded batches (--no-pack)")
     if model.rope.is_dynamic:
         raise MiniGPTError("packing is not supported with dynamic-NTK RoPE scaling; use padded batches (--no-pack)")
-    if int(position_ids.max()) >= model.config.max_seq_len:
+    end = int(position_ids.max()) + 1 if positions_below is None else positions_below
+    if end > model.config.max_seq_len:
         raise MiniGPTError(f"a packed position exceeds the model's max_seq_len {model.config.max_seq_len}")
-    model.ensure_positions(int(position_ids.max()) + 1)  # the tables grow lazily (Transformer.ensure_positions)
+    model.ensure_positions(end)  # the tables grow lazily (Transformer.ensure_positions)
     cos = model.rope_cos[position_ids][:, None]  # [batch, 1, seq_len, head_dim]
     sin = model.rope_sin[position_ids][:, None]
     mask = document_mask(doc_ids, model.config.sliding_window)
     h = model.dropout(model.tok_embeddings(tokens))
     for layer in model.layers:
         h = layer(h, cos, sin, 0, None, mask)
-    return model.output(model.norm(h))
+    return model.logits(h)  # final norm, head, soft-capping
+
+
+class PackedTransformer(Transformer):
+    """A :class:`Transformer` whose ``forward`` also takes packed rows: with ``position_ids`` and ``doc_ids``
+    (``[batch, seq_len]``) it returns :func:`packed_forward`'s logits, else it is the plain forward."""
+
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, kv_cache=None, attention_mask=None,
+                position_ids: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if position_ids is None:
+            return super().forward(tokens, start_pos, kv_cache, attention_mask)
+        return packed_forward(self, tokens, position_ids, doc_ids, positions_below=tokens.shape[1])
+
+
+def with_packed_forward(model: Transformer) -> Transformer:
+    """``model`` itself, its class switched to :class:`PackedTransformer` (no new state: the same parameters,
+    buffers and state-dict keys). Call before wrapping it for DDP / FSDP."""
+    if type(model) is Transformer:
+        model.__class__ = PackedTransformer
+    return model

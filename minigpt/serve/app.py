@@ -42,16 +42,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minigpt.checkpoint.adapter import load_merged
 from minigpt.checkpoint.native import load_chat_template, load_tokenizer, resolve_checkpoint
 from minigpt.errors import MiniGPTError
 from minigpt.infer.engine import Engine
 from minigpt.infer.metrics import CONTENT_TYPE
 from minigpt.infer.request import EngineClosed, Event, QueueFull
 from minigpt.infer.sampling import InvalidRequest, SamplingParams
-from minigpt.runtime import DTYPES, pick_device
 from minigpt.serve.chat import encode_prompt, prompt_bos
+from minigpt.serve.models import load_engine, model_list, resolve_model
 from minigpt.serve.openapi import openapi_document
+from minigpt.serve.responses import Choice, Shaper, TokenText, error_for
 from minigpt.serve.schemas import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -63,12 +63,13 @@ from minigpt.serve.schemas import (
     check_fields,
     is_int,
     parse_json,
-    parse_messages,
+    parse_n,
     parse_sampling,
     parse_stream_flags,
     read_body,
     to_json,
 )
+from minigpt.serve.tools import parse_messages, prepare_structured
 from minigpt.tokenizer.chat_template import ChatTemplate, TemplateRejected
 from minigpt.tokenizer.tokenizer import Tokenizer
 
@@ -117,6 +118,7 @@ class ServerState:
         self.model_name = model_name
         self.api_key = api_key or None
         self.chat = ChatTemplate.for_model(tokenizer, chat_template)
+        self.text_of = TokenText(tokenizer)
         self.add_bos = add_bos
         self.request_timeout = request_timeout
         self.max_body_bytes = max_body_bytes
@@ -131,15 +133,9 @@ class ServerState:
             raise ApiError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
                            "invalid_request_error", None, "invalid_api_key")
 
-    def check_model(self, body: dict) -> None:
-        model = body.get("model")
-        if model is None:
-            return
-        if not isinstance(model, str):
-            raise bad_request("'model' must be a string", "model")
-        if model != self.model_name:
-            raise bad_request(f"the model '{model}' does not exist; this server serves '{self.model_name}'", "model",
-                              "model_not_found")
+    def check_model(self, body: dict) -> Optional[str]:
+        """The LoRA adapter the request's ``model`` names (None: the base model); 400 for an unknown one."""
+        return resolve_model(body.get("model"), self.model_name, self.engine.adapter_names)
 
     def prompt_ids(self, prompt: Any) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -151,7 +147,7 @@ class ServerState:
         if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
             return list(prompt)
         if isinstance(prompt, list) and len(prompt) > 1:
-            raise bad_request("'prompt' holds several prompts; send one per request (n and batches are not supported)",
+            raise bad_request("'prompt' holds several prompts; send one per request (batches are not supported)",
                               "prompt")
         raise bad_request("'prompt' must be a string or a non-empty list of token ids", "prompt")
 
@@ -171,31 +167,41 @@ class ServerState:
     def prepare_completion(self, raw: bytes) -> Prepared:
         body = parse_json(raw)
         check_fields(body, COMPLETION_FIELDS)
-        self.check_model(body)
+        adapter = self.check_model(body)
         if "prompt" not in body:
             raise bad_request("'prompt' is required", "prompt")
         params, max_tokens = parse_sampling(body)
         stream, include_usage = parse_stream_flags(body)
         prompt = self.prompt_ids(body["prompt"])
-        # OpenAI's default for the completions endpoint is 16 tokens.
-        return self._checked(prompt, params, 16 if max_tokens is None else max_tokens, "prompt", stream,
-                             include_usage)
+        # OpenAI's default for the completions endpoint is 16 tokens; 0 (echo only) generates one, not shown.
+        job = self._checked(prompt, params, 16 if max_tokens is None else max(max_tokens, 1), "prompt", stream,
+                            include_usage)
+        job.n, job.score_only, job.structured = parse_n(body), max_tokens == 0, prepare_structured(body, self, False)
+        job.adapter = adapter
+        if body.get("echo"):
+            text = body["prompt"][0] if isinstance(body["prompt"], list) and len(body["prompt"]) == 1 \
+                else body["prompt"]
+            job.echo = text if isinstance(text, str) else self.tokenizer.decode(prompt)
+        return job
 
     def prepare_chat(self, raw: bytes) -> Prepared:
         body = parse_json(raw)
         check_fields(body, CHAT_FIELDS)
-        self.check_model(body)
+        adapter = self.check_model(body)
         messages = parse_messages(body.get("messages"))
         self.refuse_long("\n".join(m["content"] for m in messages), "messages")
         params, max_tokens = parse_sampling(body, chat=True)
         if self.chat.stop:
             params = params.replace(stop=params.stop + self.chat.stop)
         stream, include_usage = parse_stream_flags(body)
+        structured = prepare_structured(body, self, True)  # tools for the template, a grammar for the answer
         try:
-            prompt = self.chat.prompt(messages)
+            prompt = self.chat.prompt(messages, structured and structured.template_tools)
         except TemplateRejected as e:
             raise bad_request(str(e), "messages") from None
-        return self._checked(prompt, params, max_tokens, "messages", stream, include_usage)
+        job = self._checked(prompt, params, max_tokens, "messages", stream, include_usage)
+        job.n, job.structured, job.adapter = parse_n(body), structured, adapter
+        return job
 
     def _checked(self, prompt: list[int], params: SamplingParams, max_tokens: Optional[int], param: str,
                  stream: bool, include_usage: bool) -> Prepared:
@@ -207,6 +213,9 @@ class ServerState:
         vocab = self.engine.model.config.vocab_size
         if any(t < 0 or t >= vocab for t in prompt):
             raise bad_request(f"prompt token ids must be in [0, {vocab})", param)
+        for field, ids in (("logit_bias", [k for k, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            if any(t >= vocab for t in ids):
+                raise bad_request(f"'{field}' token ids must be in [0, {vocab})", field)
         return Prepared(prompt, params.replace(max_tokens=max_tokens), stream, include_usage)
 
 
@@ -253,16 +262,16 @@ def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: boo
     class EngineStream(StreamingResponse):
         """SSE response that cancels its generation however the response ends (client gone, shutdown)."""
 
-        def __init__(self, content, req) -> None:
+        def __init__(self, content, reqs) -> None:
             super().__init__(content, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            self.req = req
+            self.reqs = reqs
 
         async def __call__(self, scope, receive, send):
             try:
                 await super().__call__(scope, receive, send)
             finally:
-                engine.cancel(self.req)
+                cancel(self.reqs)
 
     async def prepare(request: Request, parse) -> Prepared:
         """Read the body here (the only part on the event loop), then ``parse`` it in the pool."""
@@ -271,25 +280,35 @@ def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: boo
         raw = await read_body(request, state.max_body_bytes)
         return await asyncio.get_running_loop().run_in_executor(pool, parse, raw)
 
-    def submit(prompt: list[int], params: SamplingParams, param: str):
+    def submit(job: Prepared, param: str):
+        """Submit the ``n`` requests of a job (choice ``i`` seeded ``seed + i``), their events tagged with the
+        choice's index into one queue; all or none are queued."""
         loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue[Event] = asyncio.Queue()
+        inbox: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 
-        def deliver(event: Event) -> None:
-            loop.call_soon_threadsafe(inbox.put_nowait, event)
+        def deliver_to(index: int):
+            return lambda event: loop.call_soon_threadsafe(inbox.put_nowait, (index, event))
 
+        reqs = []
         try:
-            req = engine.submit(prompt, params, deliver, timeout=state.request_timeout)
-        except InvalidRequest as e:
+            for i in range(job.n):
+                params = job.params if i == 0 or job.params.seed is None else job.params.replace(
+                    seed=(job.params.seed + i) % 2**63)
+                reqs.append(engine.submit(job.prompt, params, deliver_to(i), timeout=state.request_timeout,
+                                          logits_processors=job.structured.processors() if job.structured else (),
+                                          adapter=job.adapter))
+        except (InvalidRequest, QueueFull, EngineClosed) as e:
+            for req in reqs:
+                engine.cancel(req)
+            if isinstance(e, QueueFull):
+                raise ApiError(429, str(e), "rate_limit_error", None, "queue_full") from None
+            if isinstance(e, EngineClosed):
+                raise ApiError(503, str(e), "server_error", None, "shutting_down") from None
             raise bad_request(str(e), param if e.param == "prompt" else e.param) from None
-        except QueueFull as e:
-            raise ApiError(429, str(e), "rate_limit_error", None, "queue_full") from None
-        except EngineClosed as e:
-            raise ApiError(503, str(e), "server_error", None, "shutting_down") from None
-        return req, inbox
+        return reqs, inbox
 
-    async def next_event(inbox: asyncio.Queue, request: Request, req) -> Optional[Event]:
-        """The request's next event; None if the client went away. Backstops the engine's own timeout."""
+    async def next_event(inbox: asyncio.Queue, request: Request, req) -> Optional[tuple[int, Event]]:
+        """The next ``(choice index, event)``; None if the client went away. Backstops the engine's own timeout."""
         limit = state.request_timeout
         deadline = req.arrival + limit + 5.0 if limit is not None else None
         while True:
@@ -299,96 +318,71 @@ def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: boo
                 if await request.is_disconnected():
                     return None
                 if deadline is not None and time.monotonic() > deadline:
-                    return Event(finish_reason="timeout", error="the request timed out")
+                    return 0, Event(finish_reason="timeout", error="the request timed out")
 
-    def error_for(event: Event) -> ApiError:
-        if event.finish_reason == "timeout":
-            return ApiError(504, event.error or "the request timed out", "timeout_error", None, "timeout")
-        if event.finish_reason == "cancelled":
-            return ApiError(503, event.error or "the request was cancelled", "server_error", None, "cancelled")
-        return ApiError(500, f"generation failed: {event.error}", "server_error", None, "generation_error")
+    def cancel(reqs) -> None:
+        for req in reqs:
+            engine.cancel(req)
 
-    async def cancel_on_disconnect(request: Request, req, gone: threading.Event) -> None:
-        """Cancel ``req`` when its client disconnects. The body is read already, so the next ASGI message is the
+    async def cancel_on_disconnect(request: Request, reqs, gone: threading.Event) -> None:
+        """Cancel ``reqs`` when its client disconnects. The body is read already, so the next ASGI message is the
         disconnect (uvicorn sends it as soon as the connection closes)."""
         while (await request.receive())["type"] != "http.disconnect":
             pass
         gone.set()
-        engine.cancel(req)
+        cancel(reqs)
 
     async def respond(request: Request, chat: bool, job: Prepared):
-        stream, include_usage = job.stream, job.include_usage
-        req, inbox = submit(job.prompt, job.params, "messages" if chat else "prompt")
+        reqs, inbox = submit(job, "messages" if chat else "prompt")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                "model": state.model_name}
+        shaper = (job.structured.shaper(Shaper) if job.structured else Shaper)(
+            state.text_of, chat, rid, int(time.time()), job.adapter or state.model_name, job.prompt, job.echo,
+            job.params.logprobs is not None, job.score_only)
+        choices = [Choice(i) for i in range(job.n)]
 
-        def usage(ev: Event) -> dict:
-            return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
-                    "total_tokens": ev.prompt_tokens + ev.completion_tokens}
-
-        def chunk(text: Optional[str], finish: Optional[str], role: bool = False) -> str:
-            if chat:
-                delta: dict[str, Any] = {}
-                if role:
-                    delta["role"] = "assistant"
-                if text is not None:
-                    delta["content"] = text
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            return f"data: {to_json({**head, 'choices': [choice]})}\n\n"
-
-        if stream:
+        if job.stream:
             async def events() -> AsyncIterator[str]:
-                if chat:
-                    yield chunk("", None, role=True)
-                while True:
-                    ev = await next_event(inbox, request, req)
-                    if ev is None:
-                        engine.cancel(req)
+                for piece in shaper.role_chunks(job.n):
+                    yield piece
+                left = job.n
+                while left:
+                    got = await next_event(inbox, request, reqs[0])
+                    if got is None:
+                        cancel(reqs)
                         return
+                    i, ev = got
                     if ev.finish_reason in ("error", "timeout", "cancelled"):
                         yield f"data: {to_json(error_for(ev).body())}\n\n"
                         break
-                    if ev.text:
-                        yield chunk(ev.text, None)
+                    for piece in shaper.chunks(i, ev):
+                        yield piece
                     if ev.finished:
-                        yield chunk(None if chat else "", ev.finish_reason)
-                        if include_usage:
-                            yield f"data: {to_json({**head, 'choices': [], 'usage': usage(ev)})}\n\n"
-                        break
+                        choices[i].last = ev
+                        left -= 1
+                if not left and job.include_usage:
+                    yield shaper.usage_chunk([c.last for c in choices])
                 yield "data: [DONE]\n\n"
 
-            return EngineStream(events(), req)
+            return EngineStream(events(), reqs)
 
-        parts: list[str] = []
         gone = threading.Event()
-        watcher = asyncio.create_task(cancel_on_disconnect(request, req, gone))
+        watcher = asyncio.create_task(cancel_on_disconnect(request, reqs, gone))
+        left = job.n
         try:
-            while True:
-                ev = await next_event(inbox, request, req)
-                if ev is None or gone.is_set():
-                    engine.cancel(req)
+            while left:
+                got = await next_event(inbox, request, reqs[0])
+                if got is None or gone.is_set():
+                    cancel(reqs)
                     return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-                parts.append(ev.text)
-                if ev.finished:
-                    break
+                i, ev = got
+                if ev.finish_reason in ("error", "timeout", "cancelled"):
+                    raise error_for(ev)
+                choices[i].add(ev)
+                left -= ev.finished
         finally:
             watcher.cancel()
-            engine.cancel(req)  # no-op once finished; frees the slot if this handler was cancelled
-        if ev.finish_reason in ("error", "timeout", "cancelled"):
-            raise error_for(ev)
-        text = "".join(parts)
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": ev.finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": ev.finish_reason}
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": created, "model": state.model_name, "choices": [choice],
-                             "usage": usage(ev)})
+            cancel(reqs)  # no-op once finished; frees the slots if this handler was cancelled or failed
+        return JSONResponse(shaper.answer(choices))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -401,8 +395,7 @@ def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: boo
     @app.get("/v1/models")
     async def models(request: Request):
         state.check_auth(request)
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "minigpt"}]}
+        return model_list(state.model_name, engine.adapter_names, state.created)
 
     @app.get("/health")
     async def health():
@@ -428,9 +421,11 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optio
           max_queue: int = 256, max_prefill_tokens: Optional[int] = None, request_timeout: Optional[float] = 600.0,
           shutdown_timeout: float = 30.0, device: str = "auto", dtype: str = "float32",
           log_level: str = "info", context: Optional[int] = None, max_body_bytes: int = MAX_BODY_BYTES,
-          adapter: Optional[str] = None) -> int:
-    """Load a model (with the PEFT LoRA folder ``adapter`` merged in, if given) and serve it until SIGTERM/SIGINT;
-    returns the exit status (0 after a clean shutdown).
+          adapter: Optional[str] = None, adapters: Optional[dict[str, str]] = None,
+          prefix_cache_bytes: Optional[int] = None) -> int:
+    """Load a model (with the PEFT LoRA folder ``adapter`` merged in, or the folders ``adapters`` served by name:
+    :mod:`minigpt.serve.models`) and serve it until SIGTERM/SIGINT; returns the exit status (0 after a clean
+    shutdown). ``prefix_cache_bytes``: the prefix cache's budget (0: off; None: the engine's default).
 
     ``context``: tokens per KV-cache slot (default: the model's context, capped to half the free memory; see
     :class:`Engine`). On SIGTERM the listening socket closes, running and queued requests get
@@ -440,14 +435,11 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optio
     import uvicorn
 
     ckpt = resolve_checkpoint(source)
-    model = load_merged(ckpt, adapter, device=pick_device(device), dtype=DTYPES[dtype])
     tokenizer = load_tokenizer(ckpt)
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise MiniGPTError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
-                           f"{model.config.vocab_size} embeddings")
     name = model_name or (ckpt.stem if ckpt.is_file() else ckpt.name)
-    engine = Engine(model, tokenizer, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
-                    max_queue=max_queue, max_prefill_tokens=max_prefill_tokens, context=context)
+    engine = load_engine(ckpt, tokenizer, adapter, adapters, device, dtype, name, max_batch_size=max_batch_size,
+                         max_batch_tokens=max_batch_tokens, max_queue=max_queue,
+                         max_prefill_tokens=max_prefill_tokens, context=context, prefix_cache_bytes=prefix_cache_bytes)
     state = ServerState(engine, tokenizer, name, api_key, load_chat_template(ckpt), request_timeout,
                         add_bos=prompt_bos(ckpt, tokenizer), max_body_bytes=max_body_bytes)
     app = create_app(state)
@@ -482,7 +474,9 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optio
     capped = "" if engine.max_seq_len == engine.model_context or context else (
         f"; the model's {engine.model_context:,} tokens do not fit half the free memory: --context sets it")
     print(f"KV cache: {max_batch_size} slots x {engine.max_seq_len:,} tokens = {engine.kv_cache_bytes / 2**20:,.1f} "
-          f"MiB (context {engine.max_seq_len:,}{capped})", flush=True)
+          f"MiB (context {engine.max_seq_len:,}{capped}); prefix cache: "
+          f"{f'{engine.prefix.budget_bytes / 2**20:,.1f} MiB' if engine.prefix else 'off'}"
+          f"{'; adapters: ' + ', '.join(engine.adapter_names) if engine.adapter_names else ''}", flush=True)
     try:
         server.run(sockets=[sock])
     finally:

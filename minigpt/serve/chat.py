@@ -4,7 +4,10 @@ how prompts become token ids for every generating command.
 Each turn renders the whole conversation with the model's chat template (:meth:`ChatTemplate.for_model
 <minigpt.tokenizer.chat_template.ChatTemplate.for_model>`: the model's own, else the plain ``User: ... /
 Assistant:`` one) and generates through a one-slot :class:`~minigpt.infer.engine.Engine`, stopping on the
-tokenizer's stop ids and the template's end-of-turn token. When the conversation no longer fits the context, the
+tokenizer's stop ids and the template's end-of-turn token. The engine's prefix cache (:mod:`minigpt.infer.prefix_cache`,
+one context's worth) keeps the conversation's keys and values between turns, so a turn prefills only what is new
+since the last one (from the first token where the re-rendered conversation differs from the tokens already
+computed, block-aligned). When the conversation no longer fits the context, the
 oldest turns (after a system message) are dropped, and the user is told. Commands: ``/reset`` forgets the
 conversation, ``/quit`` (or end of input) leaves; Ctrl-C stops the current answer.
 
@@ -66,19 +69,21 @@ def _room(ids: list[int], context: int) -> Optional[int]:
 def run_chat(source: str, max_tokens: int = 256, temperature: float = 0.8, top_k: Optional[int] = None,
              top_p: Optional[float] = None, seed: Optional[int] = None, system: Optional[str] = None,
              device: str = "auto", dtype: str = "float32", stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout,
-             adapter: Optional[str] = None, context: Optional[int] = None) -> int:
+             adapter: Optional[str] = None, context: Optional[int] = None, prefix_cache: bool = True) -> int:
     """Run the chat loop on ``stdin``/``stdout`` until ``/quit`` or end of input; returns the exit status 0.
 
     ``seed``: turn ``i`` (from 0) samples with seed ``seed + i``, so a replayed conversation answers the same.
-    ``adapter``: a PEFT LoRA folder merged into the weights at load. Raises :class:`~minigpt.errors.MiniGPTError`
+    ``adapter``: a PEFT LoRA folder merged into the weights at load. ``prefix_cache``: False prefills every turn's
+    whole conversation (the answers are the same). Raises :class:`~minigpt.errors.MiniGPTError`
     for an unreadable checkpoint or an adapter made for another base.
     """
     ckpt = resolve_checkpoint(source)
     model = load_merged(ckpt, adapter, device=pick_device(device), dtype=DTYPES[dtype])
     tokenizer = load_tokenizer(ckpt)
     chat = ChatTemplate.for_model(tokenizer, load_chat_template(ckpt))
+    # One slot; the prefix cache's default budget is one slot's context: the whole conversation.
     engine = Engine(model, tokenizer, max_batch_size=1, stop_ids=default_stop_ids(tokenizer, chat),
-                    context=context).start()
+                    context=context, prefix_cache_bytes=None if prefix_cache else 0).start()
     context = engine.max_seq_len  # --context, else the model's (within half the free memory)
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from minigpt.serve.schemas import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from minigpt.infer.sampling import MAX_LOGPROBS, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
+from minigpt.serve.schemas import MAX_LOGIT_BIAS, MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 
 def _nullable(schema: dict) -> dict:
@@ -22,12 +23,29 @@ def _ref(name: str) -> dict:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _sampling_fields(context: int) -> dict[str, Any]:
+def _logprob_fields(chat: bool) -> dict[str, Any]:
+    """``logprobs`` / ``top_logprobs`` (and completions' ``echo``): their meaning differs between the endpoints."""
+    top = {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}
+    if chat:
+        return {"logprobs": _nullable({"type": "boolean", "description": "log-probabilities of the generated "
+                                       "tokens (the model's own, before penalties and temperature)"}),
+                "top_logprobs": _nullable({**top, "description": "alternatives per token; needs logprobs: true"}),
+                "echo": _nullable({"const": False})}
+    return {"logprobs": _nullable({**top, "description": "log-probabilities of the tokens with this many "
+                                   "alternatives (the model's own, before penalties and temperature)"}),
+            "echo": _nullable({"type": "boolean", "description": "the answer starts with the prompt (with "
+                               "logprobs: the prompt's too, the first token's null); max_tokens 0 only scores"}),
+            "top_logprobs": _nullable({"const": 0})}
+
+
+def _sampling_fields(context: int, chat: bool = False) -> dict[str, Any]:
     """Fields both generating endpoints take (:data:`~minigpt.serve.schemas.COMMON_FIELDS` and the neutral ones)."""
     stop = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
+    penalty = {"type": "number", "minimum": -2, "maximum": 2}
     return {
         "model": _nullable({"type": "string", "description": "the served model's id (GET /v1/models)"}),
-        "max_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": max(1, context - 1)}),
+        "max_tokens": _nullable({"type": "integer", "minimum": 0 if not chat else 1, "maximum": max(1, context - 1),
+                                 **({} if chat else {"description": "0 only with echo: true"})}),
         "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2,
                                   "description": "0 (or below 1e-5): greedy"}),
         "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
@@ -38,31 +56,104 @@ def _sampling_fields(context: int) -> dict[str, Any]:
         "stream_options": _nullable({"type": "object", "additionalProperties": False,
                                      "properties": {"include_usage": _nullable({"type": "boolean"})}}),
         "user": _nullable({"type": "string", "description": "accepted and ignored"}),
+        "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N,
+                        "description": "choices; choice i samples with seed + i"}),
+        **_logprob_fields(chat),
+        "presence_penalty": _nullable({**penalty, "description": "logit -= presence_penalty if the token was "
+                                       "generated (OpenAI)"}),
+        "frequency_penalty": _nullable({**penalty, "description": "logit -= frequency_penalty * times the token "
+                                        "was generated (OpenAI)"}),
+        "repetition_penalty": _nullable({"type": "number", "minimum": MIN_REPETITION_PENALTY,
+                                         "maximum": MAX_REPETITION_PENALTY, "description": "an extension "
+                                         "(vLLM, CTRL): logits of tokens in the prompt or output divided by it "
+                                         "when positive, multiplied when negative; 1: off"}),
+        "logit_bias": _nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                                 "propertyNames": {"pattern": "^[0-9]{1,12}$"},
+                                 "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                                 "description": "token id (a string) -> value added to its logit"}),
+        "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1, "description": "an extension (vLLM): "
+                            "drop tokens less likely than min_p times the most likely one; 0: off"}),
+        "stop_token_ids": _nullable({"type": "array", "maxItems": MAX_LOGIT_BIAS,
+                                     "items": {"type": "integer", "minimum": 0},
+                                     "description": "an extension (vLLM): token ids that end the generation"}),
         # Accepted only with the value that asks for nothing this server does not do.
-        "n": _nullable({"const": 1}), "best_of": _nullable({"const": 1}), "logprobs": _nullable({"const": False}),
-        "top_logprobs": _nullable({"const": 0}), "echo": _nullable({"const": False}),
-        "suffix": _nullable({"const": ""}), "presence_penalty": _nullable({"const": 0}),
-        "frequency_penalty": _nullable({"const": 0}),
-        "logit_bias": _nullable({"type": "object", "maxProperties": 0}),
-        "tools": _nullable({"type": "array", "maxItems": 0}), "tool_choice": _nullable({"const": "none"}),
+        "best_of": _nullable({"const": 1}), "suffix": _nullable({"const": ""}),
         "functions": _nullable({"type": "array", "maxItems": 0}), "function_call": _nullable({"const": "none"}),
-        "response_format": _nullable({"type": "object", "required": ["type"], "additionalProperties": False,
-                                      "properties": {"type": {"const": "text"}}}),
-        "parallel_tool_calls": _nullable({"type": "boolean"}),
+        **_structured_fields(chat),
     }
+
+
+def _structured_fields(chat: bool) -> dict[str, Any]:
+    """``response_format`` and chat's tool fields (:mod:`minigpt.serve.tools`)."""
+    name = {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}
+    schema = {"type": "object", "description": "a JSON schema"}
+    fields = {"response_format": _nullable({"anyOf": [
+        {"type": "object", "required": ["type"], "additionalProperties": False,
+         "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"], "additionalProperties": False, "properties": {
+            "type": {"const": "json_schema"}, "json_schema": {
+                "type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+                    "name": name, "schema": schema, "description": {"type": "string"},
+                    "strict": _nullable({"type": "boolean"})}}}}],
+        "description": "json_object / json_schema: decoding constrained by the grammar (the structured extra)"})}
+    if not chat:
+        return fields
+    function = {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+        "name": name, "description": {"type": "string"}, "parameters": schema, "strict": _nullable({"type": "boolean"})}}
+    return {**fields,
+            "tools": _nullable({"type": "array", "items": {
+                "type": "object", "required": ["type", "function"], "additionalProperties": False,
+                "properties": {"type": {"const": "function"}, "function": function}}}),
+            "tool_choice": _nullable({"anyOf": [{"enum": ["none", "auto", "required"]}, {
+                "type": "object", "required": ["type", "function"], "properties": {
+                    "type": {"const": "function"}, "function": {"type": "object", "required": ["name"],
+                                                                "properties": {"name": name}}}}],
+                "description": "needs tools; required or a named function forces a call (the structured extra)"}),
+            "parallel_tool_calls": _nullable({"type": "boolean"})}
 
 
 def _schemas(context: int) -> dict[str, Any]:
     token_ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
     text_part = {"type": "object", "required": ["type", "text"],
                  "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
-    message = {"type": "object", "required": ["role", "content"], "additionalProperties": False, "properties": {
-        "role": {"enum": ["system", "developer", "user", "assistant"]},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}]},
-        "name": {"type": "string"}}}
+    call = {"type": "object", "required": ["id", "type", "function"], "properties": {
+        "id": {"type": "string"}, "type": {"const": "function"}, "function": {
+            "type": "object", "required": ["name", "arguments"],
+            "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}
+    content = {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}]}
+    message = {"anyOf": [
+        {"type": "object", "required": ["role", "content"], "additionalProperties": False, "properties": {
+            "role": {"enum": ["system", "developer", "user", "assistant"]}, "content": content,
+            "name": {"type": "string"}}},
+        {"type": "object", "required": ["role", "tool_calls"], "additionalProperties": False, "properties": {
+            "role": {"const": "assistant"}, "content": {"anyOf": [content, {"type": "null"}]},
+            "name": {"type": "string"}, "tool_calls": {"type": "array", "items": call}}},
+        {"type": "object", "required": ["role", "content", "tool_call_id"], "additionalProperties": False,
+         "properties": {"role": {"const": "tool"}, "content": content, "tool_call_id": {"type": "string"},
+                        "name": {"type": "string"}}}]}
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
         k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
     finish = {"enum": ["stop", "length"]}
+    chat_finish = {"enum": ["stop", "length", "tool_calls"]}
+    index = {"type": "integer", "minimum": 0, "maximum": MAX_N - 1}
+    # Logprobs (minigpt.serve.responses): completions' token-parallel lists, chat's list of token objects.
+    listed = {"type": "array", "items": {"type": "string"}}
+    completion_logprobs = {"type": "object", "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+                           "properties": {"tokens": listed,
+                                          "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
+                                          "top_logprobs": {"type": "array", "items": {"anyOf": [
+                                              {"type": "object", "additionalProperties": {"type": "number"}},
+                                              {"type": "null"}]}},
+                                          "text_offset": {"type": "array", "items": {"type": "integer"}}}}
+    token = {"token": {"type": "string"}, "logprob": {"type": "number"},
+             "bytes": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0, "maximum": 255}}}
+    chat_logprobs = {"type": "object", "required": ["content"], "properties": {"content": {"type": "array", "items": {
+        "type": "object", "required": ["token", "logprob", "bytes", "top_logprobs"], "properties": {
+            **token, "top_logprobs": {"type": "array", "items": {
+                "type": "object", "required": ["token", "logprob", "bytes"], "properties": token}}}}}}}
+
+    def logprobs(obj: str) -> dict:
+        return {"anyOf": [chat_logprobs if obj.startswith("chat") else completion_logprobs, {"type": "null"}]}
 
     def chunk(obj: str, choice: dict) -> dict:
         """One streamed chunk: a choice, or (``stream_options.include_usage``) no choice and the usage."""
@@ -71,17 +162,18 @@ def _schemas(context: int) -> dict[str, Any]:
             "model": {"type": "string"}, "usage": usage,
             "choices": {"type": "array", "maxItems": 1, "items": {
                 "type": "object", "required": ["index", *choice, "logprobs", "finish_reason"],
-                "properties": {"index": {"const": 0}, **choice, "logprobs": {"type": "null"},
-                               "finish_reason": {"anyOf": [finish, {"type": "null"}]}}}}}}
+                "properties": {"index": index, **choice, "logprobs": logprobs(obj),
+                               "finish_reason": {"anyOf": [chat_finish if obj.startswith("chat") else finish,
+                                                           {"type": "null"}]}}}}}}
 
     def answer(obj: str, choice: dict) -> dict:
         return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
             "id": {"type": "string"}, "object": {"const": obj}, "created": {"type": "integer"},
             "model": {"type": "string"}, "usage": usage,
-            "choices": {"type": "array", "minItems": 1, "maxItems": 1, "items": {
+            "choices": {"type": "array", "minItems": 1, "maxItems": MAX_N, "items": {
                 "type": "object", "required": ["index", *choice, "logprobs", "finish_reason"],
-                "properties": {"index": {"const": 0}, **choice, "logprobs": {"type": "null"},
-                               "finish_reason": finish}}}}}
+                "properties": {"index": index, **choice, "logprobs": logprobs(obj),
+                               "finish_reason": chat_finish if obj.startswith("chat") else finish}}}}}
 
     return {
         "CompletionRequest": {
@@ -95,15 +187,18 @@ def _schemas(context: int) -> dict[str, Any]:
             "properties": {"messages": {"type": "array", "minItems": 1, "items": message},
                            "max_completion_tokens": _nullable({"type": "integer", "minimum": 1,
                                                                "maximum": max(1, context - 1)}),
-                           **_sampling_fields(context)}},
+                           **_sampling_fields(context, chat=True)}},
         "Completion": answer("text_completion", {"text": {"type": "string"}}),
         "ChatCompletion": answer("chat.completion", {"message": {
             "type": "object", "required": ["role", "content"],
-            "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}}),
+            "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+                           "tool_calls": {"type": "array", "items": call}}}}),
         "CompletionChunk": chunk("text_completion", {"text": {"type": "string"}}),
         "ChatCompletionChunk": chunk("chat.completion.chunk", {"delta": {
             "type": "object", "additionalProperties": False,
-            "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}}),
+            "properties": {"role": {"const": "assistant"}, "content": {"type": "string"},
+                           "tool_calls": {"type": "array", "items": {**call, "required": ["index", *call["required"]],
+                                          "properties": {"index": {"type": "integer"}, **call["properties"]}}}}}}),
         "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
             "object": {"const": "list"}, "data": {"type": "array", "items": {
                 "type": "object", "required": ["id", "object", "created", "owned_by"],

@@ -5,9 +5,15 @@ Shapes and ranges follow OpenAI's public API reference for the legacy Completion
 endpoints. Parameters accepted: ``model``, ``prompt`` / ``messages``, ``max_tokens`` (chat also
 ``max_completion_tokens``), ``temperature`` (0 to 2), ``top_p`` ((0, 1]), ``top_k`` (an extension; 0 or -1: off),
 ``stop`` (a string or up to 16 non-empty strings of 1,024 characters in all), ``seed``, ``stream``,
-``stream_options.include_usage``, ``user`` (a string, ignored). The fields in :data:`NEUTRAL_FIELDS` (``n``,
-``logprobs``, penalties, tools, ...) are accepted only with their neutral value; any other value, and any unknown
-field, is a 400 naming the field.
+``stream_options.include_usage``, ``user`` (a string, ignored); ``n`` (1 to :data:`MAX_N` choices),
+``presence_penalty`` and ``frequency_penalty`` ([-2, 2]), ``logit_bias`` (token id strings to [-100, 100]),
+``repetition_penalty`` (> 0), ``min_p`` ([0, 1]) and ``stop_token_ids`` (the last three vLLM's extensions; the
+definitions are in :func:`minigpt.infer.sampling.process_logits`); log-probabilities: completions' ``logprobs``
+(0 to 20 alternatives) and ``echo`` (``max_tokens`` 0 with echo only scores the prompt), chat's ``logprobs``
+(boolean) and ``top_logprobs`` (0 to 20); ``response_format`` and chat's ``tools`` / ``tool_choice`` /
+``parallel_tool_calls`` (checked in :mod:`minigpt.serve.tools`). The fields in :data:`NEUTRAL_FIELDS`
+(``best_of``, ``suffix``, ...) are accepted only with their neutral value; any other value, and any unknown field,
+is a 400 naming the field.
 
 Before any of that, the body itself (:func:`check_content_type`, :func:`read_body`, :func:`parse_json`): JSON sent
 as ``Content-Type: application/json`` (else 415: the form and text bodies a web page may post cross-site without
@@ -26,25 +32,26 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from minigpt.infer.sampling import SamplingParams
+from minigpt.infer.sampling import MAX_LOGPROBS, InvalidRequest, SamplingParams
 
 NEUTRAL_FIELDS: dict[str, tuple] = {
     # field: values that ask for nothing we do not do
-    "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0),
-    "echo": (None, False), "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
-    "parallel_tool_calls": (None, True, False),
+    "best_of": (None, 1), "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none"),
 }
+# Structured output (both endpoints) and tool calls (chat): checked by minigpt.serve.tools.
+TOOL_FIELDS = {"tools", "tool_choice", "parallel_tool_calls"}
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
-                 "user"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"} | set(NEUTRAL_FIELDS)
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"} | set(NEUTRAL_FIELDS)
+                 "user"} | {"n", "logprobs", "top_logprobs", "echo", "presence_penalty", "frequency_penalty",
+                            "repetition_penalty", "logit_bias", "min_p", "stop_token_ids"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "response_format"} | set(NEUTRAL_FIELDS)
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "response_format"} | TOOL_FIELDS | set(NEUTRAL_FIELDS)
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # all stop strings together: each generated token is checked against every one of them
 MAX_BODY_BYTES = 4 * 2**20  # default of `minigpt serve --max-body-bytes`
 MAX_JSON_DEPTH = 32  # objects and arrays; a valid request needs 5 (a message's content part)
 MAX_NUMBER_CHARS = 64  # an int64 seed has 20; Python refuses to parse integers of more than 4,300 digits
+MAX_N = 16  # choices per request (n): each is one engine request, so n is bounded like the queue
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -56,6 +63,11 @@ class Prepared:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    n: int = 1  # choices, each one engine request (choice i samples with seed + i)
+    echo: Optional[str] = None  # completions' echo: the prompt text the answer starts with
+    score_only: bool = False  # max_tokens 0 with echo: the prompt and its logprobs, nothing generated
+    structured: Any = None  # minigpt.serve.tools.Structured: the grammar and tools (None: neither)
+    adapter: Optional[str] = None  # the LoRA adapter the request's model names (None: the base model)
 
 
 class ApiError(Exception):
@@ -235,8 +247,9 @@ def parse_sampling(body: dict, chat: bool = False) -> tuple[SamplingParams, Opti
     max_tokens = body.get(key)
     if max_tokens is not None and not is_int(max_tokens):
         raise bad_request(f"'{key}' must be an integer, got {to_json(max_tokens)}", key)
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"'{key}' must be at least 1, got {max_tokens}", key)
+    # max_tokens 0 only scores the prompt (echo + logprobs), as lm-evaluation-harness asks for log-likelihoods.
+    if max_tokens is not None and max_tokens < (0 if not chat and body.get("echo") is True else 1):
+        raise bad_request(f"'{key}' must be at least 1 (0 only with echo), got {max_tokens}", key)
     temperature = body.get("temperature")
     if temperature is None:
         temperature = 1.0
@@ -269,10 +282,82 @@ def parse_sampling(body: dict, chat: bool = False) -> tuple[SamplingParams, Opti
     if seed is not None:
         seed %= 2**63  # torch.Generator takes a 64-bit seed; negative seeds are valid in OpenAI's API
     # max_tokens is filled in once the prompt length is known.
-    params = SamplingParams(max_tokens=0, temperature=float(temperature),
-                            top_k=top_k if top_k and top_k > 0 else None,
-                            top_p=float(top_p) if top_p is not None and top_p < 1 else None, stop=stops, seed=seed)
+    try:
+        params = SamplingParams(max_tokens=0, temperature=float(temperature),
+                                top_k=top_k if top_k and top_k > 0 else None,
+                                top_p=float(top_p) if top_p is not None and top_p < 1 else None, stop=stops,
+                                seed=seed, **_extensions(body, chat))
+    except InvalidRequest as e:
+        raise bad_request(str(e), e.param) from None
     return params, max_tokens
+
+
+def _extensions(body: dict, chat: bool) -> dict[str, Any]:
+    """The penalties, ``logit_bias``, ``min_p``, ``stop_token_ids`` and log-probability fields of a body as
+    :class:`SamplingParams` arguments; their ranges are checked there (:class:`InvalidRequest` names the field).
+    Completions: ``logprobs`` is the number of alternatives (0 to 20) and ``echo`` adds the prompt's;
+    chat: ``logprobs`` is a boolean and ``top_logprobs`` the number of alternatives (needs ``logprobs``)."""
+    out: dict[str, Any] = {}
+    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+        value = body.get(key)
+        if value is not None:
+            if not _is_number(value):
+                raise bad_request(f"'{key}' must be a number, got {to_json(value)}", key)
+            out[key] = float(value)
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+            raise bad_request(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids", "logit_bias")
+        for k, v in bias.items():
+            if not (k.isascii() and k.isdigit() and len(k) <= 12) or not _is_number(v) or not -100 <= v <= 100:
+                raise bad_request(f"'logit_bias' maps token ids (strings of digits) to numbers in [-100, 100], got "
+                                  f"{to_json(k)}: {to_json(v)}", "logit_bias")
+        out["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or len(ids) > MAX_LOGIT_BIAS or not all(is_int(i) and i >= 0 for i in ids):
+            raise bad_request("'stop_token_ids' must be a list of token ids", "stop_token_ids")
+        out["stop_token_ids"] = tuple(ids)
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise bad_request(f"'logprobs' must be a boolean, got {to_json(logprobs)}", "logprobs")
+        if top is not None and (not is_int(top) or not 0 <= top <= MAX_LOGPROBS):
+            raise bad_request(f"'top_logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {to_json(top)}",
+                              "top_logprobs")
+        if top and not logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        if body.get("echo") not in (None, False):
+            raise bad_request("'echo' is not supported on chat completions", "echo", "unsupported_parameter")
+        if logprobs:
+            out["logprobs"] = top or 0
+        return out
+    if top not in (None, 0) or isinstance(top, bool):
+        raise bad_request("'top_logprobs' is a chat completions field; completions take 'logprobs': <int>",
+                          "top_logprobs", "unsupported_parameter")
+    if logprobs is False:  # what the chat form's "off" means here too
+        logprobs = None
+    if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise bad_request(f"'logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {to_json(logprobs)}",
+                          "logprobs")
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise bad_request(f"'echo' must be a boolean, got {to_json(echo)}", "echo")
+    if logprobs is not None:
+        out["logprobs"] = logprobs
+        if echo:
+            out["prompt_logprobs"] = logprobs
+    return out
+
+
+def parse_n(body: dict) -> int:
+    """``n``: how many choices (1 to :data:`MAX_N`)."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if not is_int(n) or not 1 <= n <= MAX_N:
+        raise bad_request(f"'n' must be an integer in [1, {MAX_N}], got {to_json(n)}", "n")
+    return n
 
 
 def parse_stream_flags(body: dict) -> tuple[bool, bool]:

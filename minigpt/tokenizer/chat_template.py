@@ -1,7 +1,8 @@
 """Chat templates: messages -> text -> token ids, with the span of every assistant turn, the Hugging Face way.
 
-A chat template is a Jinja string rendered with ``messages`` (a list of ``{"role", "content"}``),
-``add_generation_prompt`` and the tokenizer's special-token strings (``bos_token``, ``eos_token``...), in a sandbox
+A chat template is a Jinja string rendered with ``messages`` (a list of ``{"role", "content"}``, plus ``tool_calls``
+/ ``tool_call_id`` in tool conversations), ``tools`` (function definitions, or None), ``add_generation_prompt`` and
+the tokenizer's special-token strings (``bos_token``, ``eos_token``...), in a sandbox
 with ``trim_blocks`` / ``lstrip_blocks``, ``raise_exception(msg)`` and a ``tojson`` that does not escape HTML: the
 conventions of ``transformers``' ``apply_chat_template``. The rendered text is then tokenized with the tokenizer's
 added tokens (``<|im_start|>``...) recognised as single ids, also as ``transformers`` does (so a message containing
@@ -207,15 +208,16 @@ class ChatTemplate:
         eot = self.end_of_turn_id
         return self._stop + ((self.tokenizer.id_to_token(eot),) if eot is not None else ())
 
-    def prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+    def prompt(self, messages: list[dict[str, Any]], tools: Optional[list[dict]] = None) -> list[int]:
         """Token ids that ask the model for the next assistant turn: ``encode(messages, add_generation_prompt=True)``
-        (the template writes any BOS itself, as ``apply_chat_template`` relies on)."""
-        return self.encode(messages, add_generation_prompt=True)
+        (the template writes any BOS itself, as ``apply_chat_template`` relies on); ``tools`` as in :meth:`render`."""
+        return self.encode(messages, add_generation_prompt=True, tools=tools)
 
     def _token_text(self, i: Optional[int]) -> str:
         return self.tokenizer.decode([i]) if i is not None else ""
 
-    def _render_raw(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    def _render_raw(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    tools: Optional[list[dict]] = None) -> str:
         from jinja2 import TemplateError
 
         for m in messages:
@@ -223,14 +225,20 @@ class ChatTemplate:
                 raise TemplateRejected("a message contains the private-use characters U+F8F0/U+F8F1, which mark "
                                    "generation blocks")
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self._variables)
+            # tools and documents are always defined (None when absent), as apply_chat_template renders them.
+            return self._template.render(messages=messages, tools=tools, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **self._variables)
         except TemplateError as e:
             raise TemplateRejected(f"the chat template rejected the messages: {e}") from None
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-        """The template's text for ``messages`` (``add_generation_prompt``: end with the assistant header)."""
-        return self._render_raw(messages, add_generation_prompt).replace(_OPEN, "").replace(_CLOSE, "")
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+               tools: Optional[list[dict]] = None) -> str:
+        """The template's text for ``messages`` (``add_generation_prompt``: end with the assistant header).
+
+        ``tools``: function definitions as JSON schemas (OpenAI's ``{"type": "function", "function": {"name",
+        "description", "parameters"}}``), given to the template as ``tools``, the variable ``transformers``'
+        ``apply_chat_template(messages, tools=...)`` sets; a template without a tools section ignores them."""
+        return self._render_raw(messages, add_generation_prompt, tools).replace(_OPEN, "").replace(_CLOSE, "")
 
     def render_with_spans(self, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
         """``(text, spans)``: the rendered conversation and the ``[start, end)`` character ranges of its assistant
@@ -259,10 +267,11 @@ class ChatTemplate:
             spans.append((len(before), len(upto)))
         return text, spans
 
-    def encode(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> list[int]:
+    def encode(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+               tools: Optional[list[dict]] = None) -> list[int]:
         """Token ids of the rendered ``messages`` (no BOS/EOS beyond what the template writes), as
-        ``AutoTokenizer.apply_chat_template(messages, tokenize=True)``."""
-        return self._hf.encode(self.render(messages, add_generation_prompt), add_special_tokens=False).ids
+        ``AutoTokenizer.apply_chat_template(messages, tools=tools, tokenize=True)``."""
+        return self._hf.encode(self.render(messages, add_generation_prompt, tools), add_special_tokens=False).ids
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of plain ``text`` with the added tokens recognised, as ``transformers``'

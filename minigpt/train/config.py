@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from minigpt.model.config import dataclass_from_dict
 from minigpt.runtime import DTYPES
@@ -29,6 +29,12 @@ class TrainerConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
+    # adamw | muon: Muon for the hidden matrices and AdamW (lr, betas, weight_decay above) for the rest
+    # (minigpt.train.optim). Muon's peak learning rate follows the same warmup/cosine schedule as lr.
+    optimizer: str = "adamw"
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95  # Nesterov momentum of Muon
+    muon_weight_decay: float = 0.0  # decoupled, applied as p *= 1 - lr * muon_weight_decay
     max_steps: Optional[int] = None
     max_time: Optional[float] = None  # seconds of training (evaluation and checkpointing excluded)
     eval_interval: int = 200
@@ -45,9 +51,13 @@ class TrainerConfig:
     parallel: str = "none"  # none | ddp | fsdp (under torchrun; ddp is used if a multi-rank run says none)
     activation_checkpointing: bool = False
 
+    # False: the recipe sets max_steps itself before training when neither budget is given (SFT / DPO: --epochs).
+    budget_required: ClassVar[bool] = True
+
     def __post_init__(self) -> None:
-        if self.max_steps is None and self.max_time is None:
+        if self.max_steps is None and self.max_time is None and self.budget_required:
             raise ValueError("set --max-steps and/or --max-time: the schedule needs a budget")
+        self._check_optimizer()
         if self.parallel not in ("none", "ddp", "fsdp"):
             raise ValueError(f"parallel must be none, ddp or fsdp, got {self.parallel!r}")
         if self.dtype not in DTYPES:
@@ -61,6 +71,16 @@ class TrainerConfig:
             raise ValueError(f"max_steps must be positive, got {self.max_steps}")
         if self.max_time is not None and self.max_time <= 0:
             raise ValueError(f"max_time must be positive, got {self.max_time}")
+
+    def _check_optimizer(self) -> None:
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"optimizer must be adamw or muon, got {self.optimizer!r}")
+        if not self.muon_lr > 0 or not 0 <= self.muon_momentum < 1 or not self.muon_weight_decay >= 0:
+            raise ValueError(f"muon_lr must be positive, muon_momentum in [0, 1) and muon_weight_decay >= 0, got "
+                             f"{self.muon_lr!r}, {self.muon_momentum!r}, {self.muon_weight_decay!r}")
+        if self.optimizer == "muon" and self.parallel == "fsdp":
+            raise ValueError("optimizer muon needs whole matrices and does not work with parallel=fsdp (sharded "
+                             "weights); use parallel=ddp or optimizer=adamw")
 
     def to_dict(self) -> dict[str, Any]:
         """The options as a dict, in the order config.yaml lists them (the fields' order unless a recipe says)."""

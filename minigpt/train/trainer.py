@@ -37,9 +37,13 @@ shared. Pretraining (:class:`minigpt.train.loop.Pretraining`) is the reference. 
   windows, sharded over ranks.
 * ``self.seq_len`` (tokens per sequence, set by ``build_model()`` at the latest) gives the throughput and MFU
   columns (``tokens_per_micro_batch()``: ``batch_size * seq_len``; ``flops_per_token(n_params)``:
-  :func:`~minigpt.model.accounting.flops_per_token`); a recipe whose batches are shaped otherwise overrides them.
+  :func:`~minigpt.model.accounting.flops_per_token`); a recipe whose batches are shaped otherwise overrides them,
+  and one whose batches vary (padding, ragged last batches) overrides ``batch_tokens(batch)``, the tokens one
+  micro-batch counts for (summed over the ranks every step).
 * optional: ``resolved_config()`` (more fields for config.yaml), ``log_fields(row)`` (more fields for a metrics
-  row), ``progress_note(row)`` and ``final_note(result)`` (how evaluations read on the console).
+  row; runs on every rank, so it may all-reduce), ``progress_note(row)`` and ``final_note(result)`` (how
+  evaluations read on the console), ``finish(result)`` (final artefacts, after the last checkpoint and before the
+  ranks leave: SFT and DPO write their model directory and adapter there).
 
 ``Recipe(cfg).run()`` then sets up, fits and returns the final metrics. ``cfg`` is a :class:`TrainerConfig`; a
 recipe extends it with its own fields (as :class:`minigpt.train.loop.TrainConfig` adds data, preset and model).
@@ -67,6 +71,8 @@ from minigpt.train import distributed as dist_mod
 from minigpt.train import state as train_state
 from minigpt.train.config import TrainerConfig
 from minigpt.train.mixed import autocast, compute_dtype
+from minigpt.train.optim import build_optimizer, set_lr
+from minigpt.train.optim import param_groups as param_groups  # re-exported: its home was here
 from minigpt.train.schedule import decay_progress, warmup_cosine_lr
 from minigpt.train.state import rng_state, set_rng_state
 
@@ -77,15 +83,6 @@ def autocast_context(device: torch.device, dtype: torch.dtype):
     if dtype == torch.float32:
         return nullcontext()
     return autocast(device.type, dtype)
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: decay only tensors with >= 2 dims (matrices, embeddings), never norms or biases (nanoGPT)."""
-    decay, no_decay = [], []
-    for p in model.parameters():  # parameters() yields a tied matrix once
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def evaluate(model: Transformer, x: torch.Tensor, y: torch.Tensor, batch_size: int, ctx,
@@ -152,6 +149,8 @@ class _StopFlag:
 def _to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
+    if callable(getattr(batch, "to", None)):  # a recipe's batch type (e.g. a dataclass of tensors) moves itself
+        return batch.to(device)
     if isinstance(batch, dict):
         return {k: _to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, (tuple, list)):
@@ -194,6 +193,11 @@ class Trainer:
         """Tokens one rank trains on per micro-batch (throughput, MFU)."""
         return self.cfg.batch_size * self.seq_len
 
+    def batch_tokens(self, batch: Any) -> int:
+        """Tokens one (device) micro-batch counts for in ``tokens`` and ``tokens_per_s``; default
+        :meth:`tokens_per_micro_batch` (every batch is full)."""
+        return self.tokens_per_micro_batch()
+
     def flops_per_token(self, n_params: int) -> float:
         """Training FLOPs per token (forward and backward) of the model at ``self.seq_len``, for MFU."""
         return flops_per_token(self.model.config, n_params, self.seq_len)
@@ -213,6 +217,11 @@ class Trainer:
         """The evaluation part of the final line: here every ``val_*`` of ``result``."""
         return " | ".join(f"{k} {v:.4f}" for k, v in result.items() if k.startswith("val_"))
 
+    def finish(self, result: dict[str, Any]) -> dict[str, Any]:
+        """After the final checkpoint, on every rank with the process group still up: write the recipe's own
+        artefacts; returns the run's result (here unchanged)."""
+        return result
+
     # ------------------------------------------------------------------------------------------------ driver
     def run(self) -> dict[str, Any]:
         """Join the ranks, set up and fit; returns the final metrics (``step``, ``tokens``, ``train_time``,
@@ -220,7 +229,7 @@ class Trainer:
         self.info = dist_mod.setup(pick_device(self.cfg.device), self.cfg.threads)
         try:
             self.setup()
-            return self.fit()
+            return self.finish(self.fit())
         finally:
             dist_mod.teardown(self.info)
 
@@ -253,10 +262,7 @@ class Trainer:
         if self.parallel == "ddp" and info.enabled:
             model = self.wrapped.module
         self.model = model
-        self.optimizer = torch.optim.AdamW(
-            param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-            fused=device.type == "cuda",
-        )
+        self.optimizer = build_optimizer(model, cfg)  # AdamW, or Muon + AdamW (minigpt.train.optim)
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         self.batches = self.make_batches()
         self.autocast = autocast_context(device, dtype)
@@ -337,6 +343,7 @@ class Trainer:
 
             bar = tqdm(total=cfg.max_steps, initial=self.step, unit="step", dynamic_ncols=True)
 
+        counted = type(self).batch_tokens is not Trainer.batch_tokens  # the recipe counts its batches' tokens
         model.train()
         last: dict[str, Any] = {}
         evaluated_at = None
@@ -361,16 +368,21 @@ class Trainer:
                                           cfg.max_time)
                 lr = warmup_cosine_lr(self.step, lr=cfg.lr, min_lr=min_lr, warmup_steps=cfg.warmup_steps,
                                       progress=progress)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
+                set_lr(optimizer, lr, cfg)  # Muon's groups at their own peak, same schedule shape
                 step_loss = torch.zeros((), device=device)
+                step_tokens = 0
                 for micro in range(cfg.grad_accum):
                     batch = _to_device(self.batches.next(), device)
+                    step_tokens += self.batch_tokens(batch)
                     with dist_mod.gradient_sync(self.wrapped, sync=micro == cfg.grad_accum - 1), self.autocast:
                         lm = self.batch_loss(self.train_forward, batch) / cfg.grad_accum
                         loss = lm + model.pop_aux_loss() / cfg.grad_accum  # MoE router losses (0.0 for dense models)
                         scaler.scale(loss).backward()
                     step_loss += lm.detach()  # stays on the device: no host sync per micro-step
+                if counted:  # the ranks' batches may differ: add them up (every rank takes this branch or none)
+                    step_tokens = int(dist_mod.all_reduce_sum([float(step_tokens)], info)[0])
+                else:
+                    step_tokens *= info.world_size
                 scaler.unscale_(optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 if hasattr(grad_norm, "full_tensor"):  # FSDP2 returns a DTensor
@@ -382,7 +394,7 @@ class Trainer:
                     bad_steps = 0
                 else:
                     bad_steps += 1
-                    self.log({"step": self.step + 1, "tokens": self.tokens_seen + self.tokens_per_step,
+                    self.log({"step": self.step + 1, "tokens": self.tokens_seen + step_tokens,
                               "skipped": "non-finite", "loss": step_loss.item(), "grad_norm": grad_norm.item()})
                     if main:
                         print(f"step {self.step + 1}: non-finite loss or gradient, update skipped "
@@ -396,14 +408,14 @@ class Trainer:
                 scaler.update()
                 optimizer.zero_grad(set_to_none=True)
                 self.step += 1
-                self.tokens_seen += self.tokens_per_step
+                self.tokens_seen += step_tokens
                 step = self.step
 
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
                 self.train_time += dt
-                window_tokens += self.tokens_per_step
+                window_tokens += step_tokens
                 window_time += dt
                 if self.warmup_end_time is None and step >= cfg.warmup_steps:
                     self.warmup_end_time = self.train_time

@@ -142,8 +142,8 @@ def test_prepare_quantizes_and_fuses():
         assert is_quantized(model) and fast.fused
         out = fast(tokens)
     assert (out - ref).abs().max() < 0.05 * ref.abs().max()
-    with pytest.raises(ValueError, match="int4"):
-        prepare(_model(), quantize="int4")
+    with pytest.raises(ValueError, match="unknown quantization 'int3'; choose int8, int4 or none"):
+        prepare(_model(), quantize="int3")
 
 
 def test_quant_report_on_a_checkpoint(tiny_data, tmp_path):

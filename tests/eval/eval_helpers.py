@@ -13,15 +13,6 @@ from minigpt.tokenizer.tokenizer import train_tokenizer
 DATA_DIR = Path(__file__).resolve().parent / "data"
 PARITY_TASKS = ["arc_easy", "hellaswag", "lambada_openai", "winogrande", "piqa"]
 
-# A tokenizers post-processor that prepends <s> (id 1), as Llama-2's tokenizer.json does.
-BOS_TEMPLATE = {
-    "type": "TemplateProcessing",
-    "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-    "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-    "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}},
-}
-
-
 def random_gqa_model(root: Path, max_seq_len: int = 256) -> tuple[Path, Path]:
     """A random-init GQA MiniGPT (byte-level BPE of 400 tokens learned on the test slices): ``(native dir, HF
     export)``. Norm weights are perturbed so that they are not all ones."""
@@ -41,15 +32,17 @@ def random_gqa_model(root: Path, max_seq_len: int = 256) -> tuple[Path, Path]:
 
 
 def stories_export(shared_data: Path, out: Path, bos: bool) -> Path:
-    """stories260K exported as a HF directory AutoTokenizer reads without protobuf; with ``bos`` its tokenizer
-    prepends BOS like Llama's (post-processor template and ``add_bos_token: true``)."""
+    """stories260K exported as a HF directory AutoTokenizer reads without protobuf. Its tokenizer prepends BOS like
+    Llama's (the export keeps what the llama2.c model was trained with: post-processor template and
+    ``add_bos_token: true``); without ``bos`` both are taken out again, to test a tokenizer that adds nothing."""
     export_hf(shared_data / "models" / "stories260K" / "hf", out)
-    if bos:
+    if not bos:
         tokenizer = json.loads((out / "tokenizer.json").read_text())
-        tokenizer["post_processor"] = BOS_TEMPLATE
+        assert tokenizer["post_processor"]["type"] == "TemplateProcessing"
+        tokenizer["post_processor"] = None
         (out / "tokenizer.json").write_text(json.dumps(tokenizer))
         config = json.loads((out / "tokenizer_config.json").read_text())
-        config["add_bos_token"] = True
+        config["add_bos_token"] = False
         (out / "tokenizer_config.json").write_text(json.dumps(config))
         (out / "manifest.json").unlink()  # the edited files no longer match their recorded hashes
     return out

@@ -348,7 +348,8 @@ def test_stories260k_bin_reproduces_reference_greedy(shared_data):
 
 def test_sentencepiece_model_exports_for_autotokenizer(shared_data, tmp_path):
     """A tokenizer.model is exported as is plus a rebuilt tokenizer.json, so AutoTokenizer needs no protobuf; it
-    encodes real TinyStories paragraphs exactly like sentencepiece (trailing/double spaces included)."""
+    encodes real TinyStories paragraphs exactly like sentencepiece (trailing/double spaces included), with the BOS
+    the llama2.c model was trained with first (as our tokenizer for it adds: tokenizer_bos.adds_bos)."""
     folder = shared_data / "models" / "stories260K"
     export_hf(folder / "stories260K.bin", tmp_path / "hf")
     assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == (folder / "tok512.model").read_bytes()
@@ -358,7 +359,8 @@ def test_sentencepiece_model_exports_for_autotokenizer(shared_data, tmp_path):
     text = (shared_data / "tinystories_valid_head.txt").read_text(encoding="utf-8")
     paragraphs = [p for p in text.split("\n") if p.strip()][:300] + ["  two  spaces  ", "tab\there"]
     for p in paragraphs:
-        assert theirs(p).input_ids == ours.encode(p), p
+        assert theirs(p).input_ids == [ours.bos_id] + ours.encode(p), p
+        assert theirs(p, add_special_tokens=False).input_ids == ours.encode(p), p
     ids = ours.encode(paragraphs[0])
     assert theirs.decode(ids) == ours.decode(ids)
 

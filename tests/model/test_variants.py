@@ -41,6 +41,12 @@ VARIANTS = {
     "mqa-bias": dict(n_kv_heads=1, bias=True),
     "moe": dict(n_experts=4, n_experts_per_token=2),
     "moe-top1-shared-every2": dict(n_experts=3, n_experts_per_token=1, n_shared_experts=1, moe_every=2),
+    "relu2": dict(ffn="relu2"),
+    "qk-norm": dict(qk_norm=True),
+    "softcap": dict(logit_softcap=2.0),  # small enough to bind on these logits
+    "recipe": dict(qk_norm=True, ffn="relu2", tie_embeddings=False, logit_softcap=15.0),
+    "qk-norm-alibi-flash": dict(qk_norm=True, pos_encoding="alibi", attention_impl="flash_reference",
+                                attention_block_size=7),
 }
 VOCAB = 61
 

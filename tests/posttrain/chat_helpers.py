@@ -2,9 +2,11 @@
 post-training tests. No real conversation data is copied here: every message is generated from word lists."""
 import json
 import random
+import shutil
 
 import torch
 
+from minigpt.checkpoint.native import load_model
 from minigpt.interop import hf
 from minigpt.model.config import ModelConfig
 from minigpt.model.transformer import Transformer
@@ -78,3 +80,36 @@ def hf_copy(model):
         sd.pop("lm_head.weight")
     ref.load_state_dict(sd, strict=False)
     return ref
+
+
+def crash_after(run, copy, step):
+    """A copy of the finished run directory ``run`` as a process killed right after its step-``step`` checkpoint
+    leaves it: no later checkpoint, ``latest`` at that one, no output model files yet."""
+    shutil.copytree(run, copy)
+    for ckpt in (copy / "checkpoints").glob("step_*"):
+        if int(ckpt.name.removeprefix("step_")) > step:
+            shutil.rmtree(ckpt)
+    (copy / "latest").write_text(f"checkpoints/step_{step:07d}\n")
+    for name in ("config.json", "model.safetensors", "manifest.json", "loss_curve.png"):
+        (copy / name).unlink()
+    shutil.rmtree(copy / "adapter", ignore_errors=True)
+    return copy
+
+
+TIMING = ("tokens_per_s", "mfu", "train_time", "memory")
+
+
+def assert_same_run(a, b):
+    """Run directories ``a`` and ``b`` hold bit-identical models (and adapters) and the same metrics rows, timing
+    columns aside."""
+    wa, wb = load_model(a).state_dict(), load_model(b).state_dict()
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    if (a / "adapter").is_dir():
+        from safetensors.torch import load_file
+
+        ta, tb = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (a, b))
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+    rows = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (a, b)]
+    assert [r["step"] for r in rows[1]] == [r["step"] for r in rows[0]]  # no duplicated or missing step
+    for ra, rb in zip(*rows):
+        assert {k: v for k, v in ra.items() if k not in TIMING} == {k: v for k, v in rb.items() if k not in TIMING}

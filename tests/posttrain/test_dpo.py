@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from chat_helpers import chat_tokenizer, hf_copy, save_hf_tokenizer, sentence, tiny_model
+from chat_helpers import assert_same_run, chat_tokenizer, crash_after, hf_copy, save_hf_tokenizer, sentence, tiny_model
 from conftest import assert_one_line_error, run_cli
 
 from minigpt.checkpoint.adapter import CONFIG_NAME, load_adapter
@@ -24,7 +24,7 @@ from minigpt.data.preference import (
 from minigpt.errors import MiniGPTError
 from minigpt.interop.hf import to_hf_key
 from minigpt.model.lora import adapters_disabled, apply_lora, lora_layers
-from minigpt.posttrain.dpo import METRICS, DPOConfig, Reference, batch_loss, dpo_loss, train_dpo
+from minigpt.posttrain.dpo import DPO, METRICS, DPOConfig, Reference, batch_loss, dpo, dpo_loss
 from minigpt.tokenizer.chat_template import CHATML_TEMPLATE, ChatTemplate
 
 NULL = contextlib.nullcontext  # the autocast context factory of a float32 run
@@ -128,19 +128,18 @@ def test_parity_with_trl_dpo_trainer(tmp_path, tokenizer, loss_type, layout):
 
 
 # ---------------------------------------------------------------------------------------- the reference
-def test_precomputed_reference_equals_live_reference(tokenizer):
+def test_precomputed_reference_equals_live_reference(tmp_path, tokenizer, base):
     """Five steps with --precompute-ref log the same metrics and end at the same weights as with a frozen copy."""
-    pairs = tokenize_rows(tokenizer, conversational_rows(12, seed=2))
-    cfg = DPOConfig(model="-", data="-", out_dir="-", max_steps=5, batch_size=4, lr=1e-2, log_interval=1,
-                    device="cpu")
-    models = []
+    rows = conversational_rows(12, seed=2)
+    train, val = write_jsonl(tmp_path / "t.jsonl", rows), write_jsonl(tmp_path / "v.jsonl", rows[:5])
     for precompute in (False, True):
-        models.append(tiny_model(tokenizer.vocab_size, seed=0))
-        cfg.precompute_ref = precompute
-        train_dpo(models[-1], pairs, cfg, tokenizer.pad_id, torch.device("cpu"), val_pairs=pairs[:5])
-    live, pre = models
+        dpo(DPOConfig(model=str(base[0]), data=str(train), val_data=str(val), out_dir=str(tmp_path / f"o{precompute}"),
+                      max_steps=5, batch_size=4, lr=1e-2, log_interval=1, device="cpu", precompute_ref=precompute))
+    live, pre = load_model(tmp_path / "oFalse"), load_model(tmp_path / "oTrue")
     for (name, a), b in zip(live.named_parameters(), pre.parameters()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
+    assert not torch.equal(live.layers[0].attention.wq.weight, load_model(base[0]).layers[0].attention.wq.weight)
+    pairs = tokenize_rows(tokenizer, rows)
     model = tiny_model(tokenizer.vocab_size, seed=0)
     reference = Reference(model)
     reference.precompute("train", pairs, 5, tokenizer.pad_id, torch.device("cpu"), NULL)
@@ -148,17 +147,17 @@ def test_precomputed_reference_equals_live_reference(tokenizer):
     torch.testing.assert_close(reference(batch, "train", NULL), reference.live(batch, NULL), atol=1e-5, rtol=0)
 
 
-def test_metrics_rows_equal_with_precomputed_reference(tmp_path, tokenizer):
-    pairs = tokenize_rows(tokenizer, standard_rows(10, seed=3))
-    rows = []
+def test_metrics_rows_equal_with_precomputed_reference(tmp_path, base):
+    rows = standard_rows(10, seed=3)
+    train, val = write_jsonl(tmp_path / "t.jsonl", rows), write_jsonl(tmp_path / "v.jsonl", rows[:4])
+    logged = []
     for precompute in (False, True):
-        cfg = DPOConfig(model="-", data="-", out_dir="-", max_steps=4, batch_size=3, lr=1e-2, log_interval=1,
-                        precompute_ref=precompute, device="cpu", loss="ipo")
-        path = tmp_path / f"m{precompute}.jsonl"
-        train_dpo(tiny_model(tokenizer.vocab_size), pairs, cfg, tokenizer.pad_id, torch.device("cpu"), pairs[:4], path)
-        rows.append([json.loads(line) for line in path.read_text().splitlines()])
-    assert len(rows[0]) == len(rows[1]) == 4
-    for a, b in zip(*rows):
+        out = tmp_path / f"o{precompute}"
+        dpo(DPOConfig(model=str(base[0]), data=str(train), val_data=str(val), out_dir=str(out), max_steps=4,
+                      batch_size=3, lr=1e-2, log_interval=1, precompute_ref=precompute, device="cpu", loss="ipo"))
+        logged.append(metrics(out))
+    assert len(logged[0]) == len(logged[1]) == 4
+    for a, b in zip(*logged):
         for k in METRICS + tuple(f"val_{m}" for m in METRICS):
             if k in a:
                 assert a[k] == pytest.approx(b[k], abs=1e-5), k
@@ -181,18 +180,42 @@ def test_adapters_disabled_gives_the_base_model(tokenizer):
         assert torch.equal(model(x), adapted)
 
 
-def test_lora_dpo_leaves_the_base_weights_bit_identical(tokenizer):
-    pairs = tokenize_rows(tokenizer, conversational_rows(8, seed=4))
-    model = tiny_model(tokenizer.vocab_size)
-    apply_lora(model, lora_rank=4, lora_alpha=8, targets="all-linear", lora_dropout=0.1)
-    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    cfg = DPOConfig(model="-", data="-", out_dir="-", max_steps=6, batch_size=4, lr=5e-2, log_interval=1,
-                    device="cpu", lora_rank=4)
-    last = train_dpo(model, pairs, cfg, tokenizer.pad_id, torch.device("cpu"))
-    assert frozen and all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
-    assert all(torch.count_nonzero(layer.lora_B.weight) > 0 for layer in lora_layers(model).values())
-    assert all(layer.lora_dropout.p == 0 for layer in lora_layers(model).values())  # DPO disables dropout
-    assert last["rewards/margins"] > 0
+class TrainedModel(DPO):
+    """The DPO recipe, keeping a copy of the trained model as it is before the output merges its adapters."""
+
+    def finish(self, result):
+        self.trained = {name: t.detach().clone() for name, t in self.model.state_dict().items()}
+        self.frozen = {name for name, p in self.model.named_parameters() if not p.requires_grad}
+        self.dropout = [layer.lora_dropout.p for layer in lora_layers(self.model).values()]
+        return super().finish(result)
+
+
+def test_lora_dpo_leaves_the_base_weights_bit_identical(tmp_path, base):
+    model_dir, train, _ = base
+    recipe = TrainedModel(DPOConfig(model=str(model_dir), data=str(train), out_dir=str(tmp_path / "out"),
+                                    max_steps=6, batch_size=4, lr=5e-2, log_interval=1, device="cpu", lora_rank=4,
+                                    lora_alpha=8, lora_targets="all-linear", lora_dropout=0.1))
+    recipe.run()
+    start = load_model(model_dir).state_dict()
+    base_weights = {n: t for n, t in recipe.trained.items() if "lora_" not in n}
+    assert recipe.frozen and set(recipe.frozen) <= set(base_weights)
+    assert all(torch.equal(t, start[n.replace(".base_layer", "")]) for n, t in base_weights.items())
+    lora_b = [t for n, t in recipe.trained.items() if n.endswith("lora_B.weight")]
+    assert len(lora_b) == 14 and all(torch.count_nonzero(t) > 0 for t in lora_b)
+    assert recipe.dropout == [0.0] * 14  # DPO disables dropout
+    assert recipe.last_row["rewards/margins"] > 0
+
+
+def test_dpo_resume_reproduces_the_uninterrupted_run(tmp_path, base):
+    """Six steps in one go, and the same run killed after its step-3 checkpoint and resumed with --resume: the same
+    weights, bit for bit, and the same metrics rows."""
+    model_dir, train, val = base
+    config = dict(model=str(model_dir), data=str(train), val_data=str(val), max_steps=6, batch_size=4, lr=1e-2,
+                  log_interval=1, eval_interval=3, ckpt_interval=3, keep_checkpoints=5, device="cpu")
+    dpo(DPOConfig(**config, out_dir=str(tmp_path / "full")))
+    crashed = crash_after(tmp_path / "full", tmp_path / "crashed", 3)
+    dpo(DPOConfig(**config, out_dir=str(crashed), resume=True))
+    assert_same_run(tmp_path / "full", crashed)
 
 
 # ---------------------------------------------------------------------------------------- data

@@ -105,8 +105,12 @@ def test_malformed_json_is_a_400_not_a_500(served, raw, path, param):
 
 @pytest.mark.parametrize("field, value", [
     ("user", 5), ("user", True), ("user", ["a"]), ("user", {"id": "a"}), ("model", 5),
-    ("top_k", -2), ("max_tokens", 10**30), ("n", 2), ("logprobs", 1), ("presence_penalty", 0.5),
-    ("frequency_penalty", -1), ("top_p", 0), ("temperature", 2.5),
+    ("top_k", -2), ("max_tokens", 10**30), ("n", 0), ("n", 17), ("n", True), ("logprobs", 21), ("logprobs", "1"),
+    ("presence_penalty", 2.5), ("frequency_penalty", -2.5), ("presence_penalty", "1"), ("repetition_penalty", 0),
+    ("repetition_penalty", -1), ("min_p", 1.5), ("min_p", -0.1), ("logit_bias", {"5": 101}),
+    ("logit_bias", {"x": 1}), ("logit_bias", {"100000": 1}), ("logit_bias", [1]), ("stop_token_ids", [-1]),
+    ("stop_token_ids", [10**6]), ("stop_token_ids", "1"), ("top_logprobs", 21), ("seed", "1"),
+    ("top_p", 0), ("temperature", 2.5),
 ])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_out_of_range_fields_are_a_400_naming_them(served, path, field, value):

@@ -212,9 +212,9 @@ BAD = [
     ({"prompt": "to be or not " * 80, "max_tokens": 100}, "/v1/completions", "max_tokens"),  # 482 + 100 > 512
     ({"prompt": "to be or not to be " * 200, "max_tokens": 1}, "/v1/completions", "prompt"),
     ({"prompt": "hi", "model": "gpt-4"}, "/v1/completions", "model"),
-    ({"prompt": "hi", "n": 2}, "/v1/completions", "n"),
-    ({"prompt": "hi", "logprobs": 3}, "/v1/completions", "logprobs"),
-    ({"prompt": "hi", "presence_penalty": 0.5}, "/v1/completions", "presence_penalty"),
+    ({"prompt": "hi", "n": 0}, "/v1/completions", "n"),
+    ({"prompt": "hi", "logprobs": 30}, "/v1/completions", "logprobs"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, "/v1/completions", "presence_penalty"),
     ({"prompt": "hi", "frobnicate": True}, "/v1/completions", "frobnicate"),
     ({"prompt": 42}, "/v1/completions", "prompt"),
     ({"prompt": ["one", "two"]}, "/v1/completions", "prompt"),
@@ -228,8 +228,8 @@ BAD = [
     ({"messages": "hi"}, "/v1/chat/completions", "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "/v1/chat/completions", "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "/v1/chat/completions", "messages[0].content"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "/v1/chat/completions", "logprobs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 3}, "/v1/chat/completions", "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 3}, "/v1/chat/completions", "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 300}, "/v1/chat/completions", "n"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "/v1/chat/completions",
      "max_completion_tokens"),
 ]

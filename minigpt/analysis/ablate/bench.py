@@ -18,6 +18,8 @@ from minigpt.model.flash_reference import flash_attention
 from minigpt.model.norm import LayerNorm, RMSNorm
 from minigpt.model.transformer import Transformer, lm_loss
 from minigpt.runtime import rss_bytes, run_in_child
+from minigpt.train.config import TrainerConfig
+from minigpt.train.optim import build_optimizer
 
 ATTENTION_SEQ_LENS = (128, 256, 512, 1024)
 
@@ -93,9 +95,10 @@ def attention_benchmark(settings, seq_lens=ATTENTION_SEQ_LENS) -> dict[str, Any]
 
 
 def _throughput_child(configs: dict[str, dict], batch: int, seq_len: int, threads: int, rounds: int, steps: int,
-                      path: str) -> None:
+                      path: str, optimizers: dict[str, str]) -> None:
     """Training tokens/s of several models measured round-robin in one process: every variant is timed in each
-    round, so load from other jobs on a shared machine falls on all of them alike. Best round per variant."""
+    round, so load from other jobs on a shared machine falls on all of them alike. Best round per variant. Each
+    model steps the optimizer its run used (``optimizers``: name -> adamw | muon)."""
 
 
     torch.set_num_threads(threads)
@@ -103,7 +106,8 @@ def _throughput_child(configs: dict[str, dict], batch: int, seq_len: int, thread
     setups = {}
     for name, cfg in configs.items():
         model = Transformer(ModelConfig.from_dict(cfg)).train()
-        setups[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        opt_cfg = TrainerConfig(max_steps=1, lr=1e-4, optimizer=optimizers.get(name, "adamw"))
+        setups[name] = (model, build_optimizer(model, opt_cfg))
     x = torch.randint(0, next(iter(configs.values()))["vocab_size"], (batch, seq_len + 1))
 
     def train_steps(name: str, n: int) -> float:
@@ -128,23 +132,26 @@ def _throughput_child(configs: dict[str, dict], batch: int, seq_len: int, thread
 SPEED_TWIN = "baseline-again"  # the baseline timed a second time in the same rounds: the speed noise
 
 
-def throughput_benchmark(settings, configs: dict[str, dict], key: str, rounds: int = 4, steps: int = 2
-                         ) -> dict[str, float]:
-    """``{variant: training tokens/s}`` (forward, backward, AdamW step at the run's batch x context), round-robin
-    in one spawned process, plus ``baseline-again``: an identical second baseline whose gap to the first measures
-    the timing noise. Cached in ``out_dir`` unless ``settings.force``."""
+def throughput_benchmark(settings, configs: dict[str, dict], key: str, rounds: int = 4, steps: int = 2,
+                         optimizers: dict[str, str] | None = None) -> dict[str, float]:
+    """``{variant: training tokens/s}`` (forward, backward, optimizer step -- AdamW unless ``optimizers`` names
+    another for a variant -- at the run's batch x context), round-robin in one spawned process, plus
+    ``baseline-again``: an identical second baseline whose gap to the first measures the timing noise. Cached in
+    ``out_dir`` unless ``settings.force``."""
     configs = {**configs, SPEED_TWIN: configs["baseline"]}
+    optimizers = {k: v for k, v in (optimizers or {}).items() if v != "adamw"}
 
     b = settings.budget()
     cache = settings.out_dir / settings.scale / f"throughput-{key}.json"
     spec = {"configs": configs, "batch": b["batch_size"], "seq_len": b["seq_len"], "threads": settings.threads,
-            "rounds": rounds, "steps": steps}
+            "rounds": rounds, "steps": steps, **({"optimizers": optimizers} if optimizers else {})}
     if cache.is_file() and not settings.force:
         previous = json.loads(cache.read_text())
         if previous.get("spec") == spec:
             return previous["tokens_per_s"]
     tmp = settings.out_dir / "throughput.json"
-    run_in_child(_throughput_child, configs, b["batch_size"], b["seq_len"], settings.threads, rounds, steps, str(tmp))
+    run_in_child(_throughput_child, configs, b["batch_size"], b["seq_len"], settings.threads, rounds, steps, str(tmp),
+                 optimizers)
     result = json.loads(tmp.read_text())
     cache.write_text(json.dumps({"spec": spec, "tokens_per_s": result}))
     return result

@@ -3,28 +3,41 @@
 Each comparison (:data:`COMPARISONS`) trains its variants with :func:`minigpt.train.loop.train` on Tiny Shakespeare
 (``minigpt/corpora``, prepared with :func:`minigpt.data.prepare.prepare`) under one budget:
 
-* **equal tokens** -- every variant sees the same ``steps x batch_size x seq_len`` training tokens, drawn in the
-  same order (one fixed seed); tokens/s are measured, not budgeted;
+* **equal tokens** -- every variant sees the same ``steps x batch_size x seq_len`` training tokens (``--tokens``
+  sets the count), drawn in the same order for the same seed; tokens/s are measured, not budgeted;
 * **equal non-embedding parameters** where the comparison is about architecture (norms, positions, FFNs, attention
   heads): the variant's FFN width is adjusted until its non-embedding parameter count is as close to the baseline's
   as the width granularity allows (the table shows both counts). Tied vs untied differs by design (tying *is* the
   parameter saving), and dense vs MoE is compared at equal *active* parameters per token (equal FLOPs), the MoE
   holding more parameters in total -- which is the point of experts.
 
+**Seeds**: every variant is trained with ``--seeds`` seeds (default 3: ``seed``, ``seed + 1``, ...); the seed sets
+the initialisation and the data order, so the baseline and a variant trained with the same seed see the same
+batches and their difference is taken per seed. The report gives each variant's mean validation bits per byte with a
+95 % Student-t interval and each difference to the baseline with its interval, resolved or not
+(:mod:`minigpt.analysis.ablate.stats`). ``--jobs N`` trains N runs at once, each in its own process with
+``--threads`` threads, and is refused when ``N x threads`` exceeds the machine's cores (they would only slow each
+other down and blur the timings).
+
 Every run executes in a fresh spawned process, so its peak resident memory is its own. The baseline (the preset as
-is) is trained once and shared by all comparisons, and once more with another seed to measure the run-to-run
-noise; finished runs are reused unless ``--force``. Speed is measured after the runs, round-robin in one process per
-comparison, so that load from other jobs on a shared machine falls on every variant alike. Position encodings are
-also evaluated on the same validation tokens cut into windows of 1x, 2x and 4x the training context. The report
-(markdown and PNG plots, :mod:`minigpt.analysis.ablate.report`; benchmarks in :mod:`minigpt.analysis.ablate.bench`) goes to ``--docs-dir`` (default ``docs/``).
+is) is trained once per seed and shared by all comparisons; finished runs are reused unless ``--force``. Speed is
+measured after the runs, round-robin in one process per comparison, so that load from other jobs on a shared machine
+falls on every variant alike. Position encodings are also evaluated on the same validation tokens cut into windows
+of 1x, 2x and 4x the training context. The report (markdown and PNG plots, :mod:`minigpt.analysis.ablate.report`;
+verdicts in :mod:`minigpt.analysis.ablate.verdicts`; benchmarks in :mod:`minigpt.analysis.ablate.bench`) goes to
+``--docs-dir`` (default ``docs/``).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import resource
+import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,11 +60,13 @@ from minigpt.train.loop import TrainConfig, evaluate, train
 
 @dataclass
 class Variant:
-    """One trained model: ``overrides`` of :class:`ModelConfig` fields on top of the scale's preset."""
+    """One trained model: ``overrides`` of :class:`ModelConfig` fields on top of the scale's preset, and ``train``
+    overrides of the training options (e.g. the optimizer)."""
 
     name: str
     overrides: dict[str, Any] = field(default_factory=dict)
     match: str = "non_embedding"  # "non_embedding" | "active" | "none": which parameter count to equalise
+    train: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -77,9 +92,9 @@ COMPARISONS: dict[str, Comparison] = {c.name: c for c in [
                 Variant("learned", {"pos_encoding": "learned"}), Variant("alibi", {"pos_encoding": "alibi"}),
                 Variant("nope", {"pos_encoding": "none"})],
                EQUAL_PARAMS + " (learned position embeddings are embedding parameters)", context_eval=True),
-    Comparison("ffn", "SwiGLU vs GeGLU vs GELU vs ReLU",
+    Comparison("ffn", "SwiGLU vs GeGLU vs GELU vs ReLU vs ReLU\u00b2",
                [BASE, Variant("geglu", {"ffn": "geglu"}), Variant("gelu", {"ffn": "gelu"}),
-                Variant("relu", {"ffn": "relu"})], EQUAL_PARAMS),
+                Variant("relu", {"ffn": "relu"}), Variant("relu2", {"ffn": "relu2"})], EQUAL_PARAMS),
     Comparison("heads", "MQA vs GQA vs MHA (key/value heads)",
                [BASE, Variant("gqa", {"n_kv_heads": "half"}), Variant("mha", {"n_kv_heads": "all"})], EQUAL_PARAMS),
     Comparison("attention", "sdpa vs flash_reference vs naive attention",
@@ -94,8 +109,14 @@ COMPARISONS: dict[str, Comparison] = {c.name: c for c in [
                               "active")],
                "equal training tokens; equal active parameters per token (4 experts of half the FFN width, top-2: "
                "the same FLOPs per token as the dense FFN, 2x its FFN parameters)"),
+    Comparison("qk_norm", "QK-norm", [BASE, Variant("qk-norm", {"qk_norm": True}, "none")],
+               "equal training tokens; same shape (QK-norm adds two head_dim gains per layer)"),
+    Comparison("softcap", "logit soft-capping", [BASE, Variant("softcap-15", {"logit_softcap": 15.0}, "none")],
+               "equal training tokens; identical models but for 15 tanh(logits / 15) on the output"),
+    Comparison("optimizer", "AdamW vs Muon", [BASE, Variant("muon", {}, "none", {"optimizer": "muon"})],
+               "equal training tokens; the same model; AdamW for every parameter vs Muon (muon_lr 0.02, the same "
+               "schedule) for the hidden matrices and AdamW for embeddings, norms and biases"),
 ]}
-SEED_CHECK = Variant("baseline-seed2", {})  # the baseline again with another seed: the run-to-run noise floor
 
 # Budgets per scale. The model is built with 4x the training context so every position encoding can be evaluated
 # beyond it (RoPE, ALiBi, sinusoidal tables are computed; learned rows past the context stay untrained).
@@ -199,6 +220,25 @@ def _context_child(checkpoint: str, data_dir: str, seq_len: int, n_tokens: int, 
     Path(path).write_text(json.dumps(out))
 
 
+def parse_tokens(text: str | int) -> int:
+    """A token count such as ``"2M"``, ``"500k"``, ``"1.5e6"`` or ``250000`` (k/M/G = powers of 1000).
+
+    Raises :class:`MiniGPTError` for anything else or a count below 1."""
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kmg]?)\s*", str(text), re.IGNORECASE)
+    try:
+        n = int(float(m.group(1)) * 1000 ** "_kmg".index(m.group(2).lower() or "_")) if m else 0
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise MiniGPTError(f"--tokens: cannot read {text!r} as a token count; write e.g. 500k, 2M or 1.5e6")
+    return n
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 @dataclass
 class AblationSettings:
     out_dir: Path = Path("runs/ablate")
@@ -206,10 +246,33 @@ class AblationSettings:
     scale: str = "tiny"
     threads: int = 2
     steps: Optional[int] = None  # override the scale's step budget
+    tokens: Optional[int] = None  # or set the training tokens per run (steps = tokens / (batch x context))
     seed: int = 1337
+    seeds: int = 3  # runs per variant: seed, seed + 1, ...
+    jobs: int = 1  # runs trained at once (jobs x threads <= cores)
+    equal_within: float = 0.02  # bpb: a difference whose whole interval lies within +-this is called equal
     force: bool = False
     data: str = "shakespeare"
     command: str = ""  # the command line, quoted in the report
+
+    def seed_list(self) -> list[int]:
+        return [self.seed + i for i in range(self.seeds)]
+
+    def check(self) -> None:
+        """Raise :class:`MiniGPTError` for settings that cannot run: counts below 1, ``--steps`` with ``--tokens``,
+        or ``jobs x threads`` above the usable cores."""
+        for name in ("threads", "seeds", "jobs"):
+            if getattr(self, name) < 1:
+                raise MiniGPTError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.steps is not None and self.tokens is not None:
+            raise MiniGPTError("--steps and --tokens both set the budget; give one")
+        if self.equal_within <= 0:
+            raise MiniGPTError(f"--equal-within must be positive, got {self.equal_within}")
+        cores = usable_cores()
+        if self.jobs * self.threads > cores:
+            raise MiniGPTError(f"--jobs {self.jobs} x --threads {self.threads} = {self.jobs * self.threads} threads "
+                               f"exceeds the {cores} usable cores; lower --jobs to {max(1, cores // self.threads)} "
+                               "or --threads")
 
     def budget(self) -> dict[str, Any]:
         if self.scale not in SCALES:
@@ -220,6 +283,11 @@ class AblationSettings:
                 raise MiniGPTError(f"--steps must be positive, got {self.steps}")
             b["steps"] = self.steps
             b["eval_interval"] = max(1, min(b["eval_interval"], self.steps // 4 or 1))
+        if self.tokens is not None:
+            steps = max(1, math.ceil(self.tokens / (b["batch_size"] * b["seq_len"])))
+            # about six evaluations per run, and the warmup never longer than a quarter of it
+            b.update(steps=steps, eval_interval=max(1, steps // 6), warmup_steps=min(b["warmup_steps"],
+                                                                                      max(1, steps // 4)))
         return b
 
 
@@ -234,11 +302,13 @@ def prepare_data(settings: AblationSettings, vocab_size: int) -> Path:
 
 def run_variant(variant: Variant, comparison: Comparison, settings: AblationSettings, data_dir: Path,
                 vocab_size: int, seed: Optional[int] = None) -> dict[str, Any]:
-    """Train (or reuse) one variant; returns its result record."""
+    """Train (or reuse) one variant with one seed; returns its result record."""
     b = settings.budget()
     cfg = variant_config(variant, b, vocab_size)
     seed = settings.seed if seed is None else seed
     key = f"{variant.name}" if variant.name.startswith("baseline") else f"{comparison.name}-{variant.name}"
+    if seed != settings.seed:
+        key += f"-seed{seed}"
     run_dir = settings.out_dir / settings.scale / key
     result_path = run_dir / "ablation.json"
     spec = {
@@ -249,7 +319,7 @@ def run_variant(variant: Variant, comparison: Comparison, settings: AblationSett
                       seq_len=b["seq_len"], batch_size=b["batch_size"], lr=b["lr"], warmup_steps=b["warmup_steps"],
                       max_steps=b["steps"], eval_interval=b["eval_interval"], eval_windows=b["eval_windows"],
                       log_interval=b["eval_interval"], ckpt_interval=10**9, keep_checkpoints=1, device="cpu",
-                      dtype="float32", seed=seed, threads=settings.threads),
+                      dtype="float32", seed=seed, threads=settings.threads, **variant.train),
     }
     if result_path.is_file() and not settings.force:
         previous = json.loads(result_path.read_text())
@@ -298,6 +368,52 @@ def _with_context_eval(record: dict[str, Any], settings: AblationSettings, data_
     return record
 
 
+def aggregate(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One variant's record over its seeds: the first seed's record (model, parameters, curves) with ``result``,
+    memory and context evaluation averaged over the seeds, ``bpb`` = ``{seed: val_bpb}``, and the per-seed records
+    under ``runs``. A failed seed makes the variant failed."""
+    failed = [r for r in runs if "failed" in r]
+    if failed:
+        return {**failed[0], "runs": runs}
+    first = runs[0]
+    mean = {k: statistics.fmean(r["result"][k] for r in runs) for k, v in first["result"].items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    out = {**first, "name": name, "runs": runs, "result": {**first["result"], **mean},
+           "bpb": {str(r["spec"]["train"]["seed"]): r["result"]["val_bpb"] for r in runs},
+           "peak_above_idle_mb": statistics.fmean(r["peak_above_idle_mb"] for r in runs),
+           "wall_s": sum(r.get("wall_s", 0.0) for r in runs)}
+    if all("context_eval" in r for r in runs):
+        out["context_eval"] = {f: {k: statistics.fmean(r["context_eval"][f][k] for r in runs)
+                                   for k in first["context_eval"][f]} for f in first["context_eval"]}
+    return out
+
+
+def run_comparison(comp: Comparison, settings: AblationSettings, data_dir: Path, vocab_size: int
+                   ) -> list[dict[str, Any]]:
+    """Train every variant of ``comp`` with every seed (``settings.jobs`` at a time, each run its own process);
+    returns one :func:`aggregate` record per variant, in order."""
+    tasks = [(v, seed) for v in comp.variants for seed in settings.seed_list()]
+
+    def one(task):
+        return run_variant(task[0], comp, settings, data_dir, vocab_size, task[1])
+
+    if settings.jobs == 1:
+        results = [one(t) for t in tasks]
+    else:
+        # Threads only wait: each run is a spawned process (run_in_child). The OpenMP policy is set once here
+        # because run_in_child's own set-and-restore of the variable is not safe across threads.
+        previous = os.environ.get("OMP_WAIT_POLICY")
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        try:
+            with ThreadPoolExecutor(settings.jobs) as pool:
+                results = list(pool.map(one, tasks))
+        finally:
+            if previous is None:
+                os.environ.pop("OMP_WAIT_POLICY", None)
+    n = len(settings.seed_list())
+    return [aggregate(v.name, results[i * n:(i + 1) * n]) for i, v in enumerate(comp.variants)]
+
+
 def run_ablations(names: list[str], settings: AblationSettings) -> dict[str, Any]:
     """Run the named comparisons (``["all"]`` = every one), then write the report. Returns all records."""
     if not names or names == ["all"]:
@@ -305,6 +421,7 @@ def run_ablations(names: list[str], settings: AblationSettings) -> dict[str, Any
     unknown = [n for n in names if n not in COMPARISONS]
     if unknown:
         raise MiniGPTError(f"unknown comparison(s) {unknown}; choose from {list(COMPARISONS)} or 'all'")
+    settings.check()
     b = settings.budget()
     started = time.time()
     data_dir = prepare_data(settings, b["vocab_size"])
@@ -315,16 +432,15 @@ def run_ablations(names: list[str], settings: AblationSettings) -> dict[str, Any
                                "budget": b, "comparisons": {},
                                "machine": machine_info(settings.threads, omp_wait_policy=os.environ.get(
                                    "OMP_WAIT_POLICY", "PASSIVE"))}
-    seed_check = Comparison("seed", "baseline with another seed", [SEED_CHECK], "")
-    records["seed_check"] = run_variant(SEED_CHECK, seed_check, settings, data_dir, vocab_size, settings.seed + 1)
     for name in names:
         comp = COMPARISONS[name]
         print(f"{name}: {comp.title}", flush=True)
         entry = {"title": comp.title, "budget": comp.budget,
-                 "runs": [run_variant(v, comp, settings, data_dir, vocab_size) for v in comp.variants]}
+                 "runs": run_comparison(comp, settings, data_dir, vocab_size)}
         print("  throughput, round-robin", flush=True)
         entry["throughput"] = throughput_benchmark(
-            settings, {r["name"]: r["model"] for r in entry["runs"]}, comp.name)
+            settings, {r["name"]: r["model"] for r in entry["runs"]}, comp.name,
+            optimizers={v.name: v.train.get("optimizer", "adamw") for v in comp.variants})
         if comp.attention_bench:
             print("  attention micro-benchmark", flush=True)
             entry["attention_bench"] = attention_benchmark(settings)

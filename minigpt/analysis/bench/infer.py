@@ -1,7 +1,8 @@
 """``minigpt bench``: MiniGPT and ``transformers`` side by side, in one process, on identical weights.
 
-For each preset (``tiny``, ``small``, ``medium``; random weights, vocabulary 4096) and dtype (``float32``,
-``bfloat16``) the model is saved, exported to a Hugging Face directory with :func:`minigpt.checkpoint.convert.export_hf` and
+For each preset (``tiny``, ``small``, ``medium``; random weights, vocabulary 4096) -- or the one model given with
+``--model PATH`` (a MiniGPT or Hugging Face directory, quantized or not, a GGUF or a llama2.c file) -- and dtype
+(``float32``, ``bfloat16``) the model is saved, exported to a Hugging Face directory with :func:`minigpt.checkpoint.convert.export_hf` and
 loaded back by ``transformers.LlamaForCausalLM`` (when ``transformers`` is installed), so both sides hold the same
 numbers. Rows:
 
@@ -19,7 +20,9 @@ Implementations (columns): ``transformers`` (eager, its default SDPA attention a
 dtype; in ``bfloat16`` decode and prefill rows also ``transformers-fp32``, the float32 baseline the performance
 targets are stated against, with a second set of ratio columns ``/ tf fp32``), ``minigpt``
 (:class:`~minigpt.infer.fastpath.FastPath`, eager), ``minigpt+compile`` (the compiled decode step / compiled training
-forward) and ``minigpt+int8`` (weight-only int8, compiled if ``--compile``). Each row times every implementation
+forward) and ``minigpt+int8`` / ``minigpt+int4`` (weight-only int8 / int4, ``--quantize int8,int4``, compiled if
+``--compile``). A ``--model`` that is not a Hugging Face directory is exported to one for ``transformers`` (a
+quantized one runs without it). Each row times every implementation
 round-robin (A B C A B C ...), after ``--warmup`` untimed runs each, ``--repeats`` times, and reports the median
 with min-max and the ratio to ``transformers``. Shared machines drift; the interleaving keeps the ratios fair.
 
@@ -45,15 +48,25 @@ import torch
 import torch.nn.functional as F
 
 from minigpt.analysis.bench.reports import add_report_parsers
+from minigpt.analysis.bench.table import REFERENCE, REFERENCE_FP32, format_table
 from minigpt.analysis.bench.timing import time_round_robin
 from minigpt.checkpoint.convert import export_hf
-from minigpt.checkpoint.native import load_model, save_pretrained
+from minigpt.checkpoint.native import (
+    load_config,
+    load_model,
+    quantization_of,
+    read_source,
+    resolve_checkpoint,
+    save_pretrained,
+)
 from minigpt.errors import MiniGPTError
 from minigpt.infer.fastpath import FastPath, prepare
 from minigpt.infer.generate import generate_batch
 from minigpt.infer.sampling import SamplingParams
+from minigpt.interop import hf
 from minigpt.model.accounting import flops_per_token
 from minigpt.model.config import preset
+from minigpt.model.quant import SCHEMES
 from minigpt.model.transformer import Transformer
 from minigpt.runtime import DTYPES as RUNTIME_DTYPES
 from minigpt.runtime import loadavg, machine_info, measure_peak_flops
@@ -62,8 +75,6 @@ from minigpt.train.mixed import autocast, compute_dtype
 ROWS = ("decode-b1", "decode-b8", "prefill", "train")
 PRESET_NAMES = ("tiny", "small", "medium")
 DTYPES = {name: RUNTIME_DTYPES[name] for name in ("float32", "bfloat16")}
-REFERENCE = "transformers"
-REFERENCE_FP32 = "transformers-fp32"  # bf16 inference rows: transformers in float32 as well (the targets' baseline)
 
 
 @dataclass
@@ -77,7 +88,8 @@ class BenchSettings:
     warmup: int = 1
     compile: bool = False
     compile_mode: Optional[str] = None
-    quantize: Optional[str] = None
+    quantize: Optional[str] = None  # comma-separated: int8, int4
+    model: Optional[str] = None  # a model source instead of the random presets
     transformers: bool = True
     threads: Optional[int] = None
     vocab_size: int = 4096
@@ -96,8 +108,13 @@ class BenchSettings:
                 raise ValueError(f"unknown {name} {bad}; choose from {list(allowed)}")
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError("repeats must be >= 1 and warmup >= 0")
-        if self.quantize not in (None, "int8"):
-            raise ValueError(f"--quantize must be int8, got {self.quantize!r}")
+        bad = [q for q in self.quantizations if q not in SCHEMES]
+        if bad:
+            raise ValueError(f"--quantize takes {', '.join(SCHEMES)} (comma-separated), got {self.quantize!r}")
+
+    @property
+    def quantizations(self) -> list[str]:
+        return [q.strip() for q in (self.quantize or "").split(",") if q.strip()]
 
 
 @dataclass
@@ -129,6 +146,47 @@ def _random_checkpoint(name: str, settings: BenchSettings, root: Path) -> tuple[
     ckpt = save_pretrained(model, root / name)
     hf_dir = export_hf(ckpt, root / f"{name}-hf") if settings.transformers else None
     return ckpt, hf_dir
+
+
+def _given_checkpoint(settings: BenchSettings, root: Path, log) -> tuple[str, Path, Optional[Path]]:
+    """``(name, model source, Hugging Face directory or None)`` for ``--model``: the source itself when it is a
+    Hugging Face directory, else (with transformers wanted) its export to ``root/model-hf``; a quantized model
+    has none. Raises :class:`MiniGPTError` for a missing source or one too short for the workloads."""
+    src = _check_given_model(settings)
+    hf_dir = None
+    if settings.transformers:
+        if src.is_dir() and hf.is_hf_dir(src) and quantization_of(src) is None:
+            hf_dir = src
+        elif quantization_of(src) is None:
+            hf_dir = export_hf(src, root / "model-hf")
+        else:
+            log(f"{src} is quantized: no transformers column")
+    if quantization_of(src) is not None and "train" in settings.rows:
+        log(f"{src} is quantized: no train row (train the float model)")
+        settings.rows = [r for r in settings.rows if r != "train"]
+    return f"{src.parent.name}/{src.name}", src, hf_dir
+
+
+def _check_given_model(settings: BenchSettings) -> Path:
+    """The resolved ``--model`` source; raises :class:`MiniGPTError` for a missing one or one whose context is too
+    short for the workloads."""
+    src = resolve_checkpoint(settings.model)
+    config = load_config_of(src)
+    need = max(settings.prefill_len, settings.prompt_len + settings.new_tokens)
+    if "train" in settings.rows:
+        need = max(need, settings.train_seq)
+    if need > config.max_seq_len:
+        raise MiniGPTError(f"{src} has a context of {config.max_seq_len} tokens; the workloads need {need} "
+                           "(lower --prefill-len, --prompt-len + --new-tokens or --train-seq)")
+    return src
+
+
+def load_config_of(source: Path):
+    """The :class:`ModelConfig` of any model source (directory or file)."""
+    source = Path(source)
+    if source.is_dir():
+        return load_config(source)
+    return read_source(source)[0]
 
 
 def _load_hf(hf_dir: Path, dtype: torch.dtype):
@@ -227,13 +285,16 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = lambda m: pr
     if settings.transformers and not use_hf:
         log("transformers is not installed: MiniGPT columns only (pip install transformers)")
     settings.transformers = use_hf
+    if settings.model:  # refused before anything is measured (or printed)
+        _check_given_model(settings)
     machine = machine_info(transformers=_version("transformers"))
     log(f"machine: {machine['cpu']} | {machine['threads']} threads | load average {machine['load_before']}")
     measurements: list[Measurement] = []
     gen = torch.Generator().manual_seed(settings.seed)
     with tempfile.TemporaryDirectory(prefix="minigpt-bench-") as tmp:
-        for name in settings.presets:
-            ckpt, hf_dir = _random_checkpoint(name, settings, Path(tmp))
+        sources = ([_given_checkpoint(settings, Path(tmp), log)] if settings.model
+                   else [(name, *_random_checkpoint(name, settings, Path(tmp))) for name in settings.presets])
+        for name, ckpt, hf_dir in sources:
             for dtype_name in settings.dtypes:
                 dtype = DTYPES[dtype_name]
                 log(f"== {name} {dtype_name}")
@@ -253,13 +314,13 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = lambda m: pr
 def _bench_row(name, dtype_name, dtype, row, ckpt, hf_dir, s: BenchSettings, gen, log) -> list[Measurement]:
     workloads: dict[str, Callable[[], Any]] = {}
     fps: dict[str, FastPath] = {}
-    vocab = s.vocab_size
+    vocab = load_config_of(ckpt).vocab_size if s.model else s.vocab_size
     if row.startswith("decode") or row == "prefill":
         variants = [("minigpt", False, None)]
         if s.compile:
             variants.append(("minigpt+compile", True, None))
-        if s.quantize:
-            variants.append((f"minigpt+{s.quantize}", s.compile, s.quantize))
+        for quant in s.quantizations:
+            variants.append((f"minigpt+{quant}", s.compile, quant))
         for impl, compiled, quant in variants:
             # Each variant gets its own copy: fusion and quantization rewrite the model in place.
             fps[impl] = prepare(load_model(ckpt, dtype=dtype), quantize=quant, compile=compiled and row != "prefill",
@@ -342,65 +403,6 @@ def _version(pkg: str) -> Optional[str]:
         return None
 
 
-def format_table(result: dict[str, Any]) -> str:
-    """The markdown table: one line per (preset, dtype, row), a column per implementation with the median
-    tokens/s [min-max] and the ratio to transformers, then GB/s (decode) or MFU (train) of each MiniGPT variant."""
-    ms = result["measurements"]
-    impls = []
-    for m in ms:
-        if m["impl"] not in impls:
-            impls.append(m["impl"])
-    impls.sort(key=lambda i: (i != REFERENCE, i != REFERENCE_FP32, i))
-    ours = [i for i in impls if i not in (REFERENCE, REFERENCE_FP32)]
-    refs = [r for r in (REFERENCE, REFERENCE_FP32) if r in impls]
-    header = (["model", "dtype", "row"] + [f"{i} tok/s" for i in impls]
-              + [f"{i} / {_REF_LABEL[r]}" for r in refs for i in ours] + ["notes"])
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    keys = []
-    for m in ms:
-        k = (m["preset"], m["dtype"], m["row"])
-        if k not in keys:
-            keys.append(k)
-    for k in keys:
-        cell = {m["impl"]: m for m in ms if (m["preset"], m["dtype"], m["row"]) == k}
-        row = list(k)
-        for i in impls:
-            m = cell.get(i)
-            row.append("" if m is None else f"{_fmt(m['value'])} [{_fmt(m['min'])}–{_fmt(m['max'])}]")
-        for r in refs:
-            # A float32 row's own transformers column is the float32 reference.
-            ref = cell.get(r) or (cell.get(REFERENCE) if r == REFERENCE_FP32 and k[1] == "float32" else None)
-            for i in ours:
-                m = cell.get(i)
-                row.append("" if m is None or ref is None else f"**{m['value'] / ref['value']:.2f}×**")
-        notes = []
-        for i in impls:
-            m = cell.get(i)
-            if m is None:
-                continue
-            e = m["extra"]
-            bits = []
-            if "gb_per_s" in e:
-                bits.append(f"{e['gb_per_s']:.1f} GB/s")
-            if "mfu" in e:
-                bits.append(f"MFU {100 * e['mfu']:.1f}%")
-            if "compile_s" in e:
-                bits.append(f"compile {e['compile_s']:.0f}s")
-            if e.get("same_tokens_as_minigpt") is False:
-                bits.append("greedy tokens differ")
-            if bits:
-                notes.append(f"{i}: " + ", ".join(bits))
-        row.append("; ".join(notes))
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
-
-
-_REF_LABEL = {REFERENCE: "tf", REFERENCE_FP32: "tf fp32"}
-
-
-def _fmt(x: float) -> str:
-    return f"{x:,.0f}" if x >= 100 else f"{x:,.1f}" if x >= 10 else f"{x:.2f}"
-
 
 # ----------------------------------------------------------------------------------------------- command
 def _split(text: str) -> list[str]:
@@ -416,7 +418,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", help="add the compiled MiniGPT variant (decode step, training)")
     p.add_argument("--compile-mode", dest="compile_mode", default=None,
                    help="torch.compile mode, e.g. max-autotune-no-cudagraphs (default: inductor's default)")
-    p.add_argument("--quantize", choices=["int8"], help="add the int8 weight-only variant (decode, prefill)")
+    p.add_argument("--quantize", help="add weight-only variants (decode, prefill): int8, int4 or int8,int4")
+    p.add_argument("--model", metavar="PATH", help="benchmark this model (checkpoint, HF dir, .gguf) instead of "
+                   "random --presets")
     p.add_argument("--no-transformers", dest="transformers", action="store_false",
                    help="MiniGPT only (also automatic when transformers is not installed)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
@@ -443,6 +447,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         settings = BenchSettings(
             presets=_split(args.presets), dtypes=_split(args.dtypes), rows=_split(args.rows), repeats=args.repeats,
             warmup=args.warmup, compile=args.compile, compile_mode=args.compile_mode, quantize=args.quantize,
+            model=args.model,
             transformers=args.transformers, threads=args.threads, prompt_len=args.prompt_len,
             new_tokens=args.new_tokens, prefill_len=args.prefill_len, train_batch=args.train_batch,
             train_seq=args.train_seq, seed=args.seed, cold_compile=args.cold_compile)

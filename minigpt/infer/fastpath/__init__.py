@@ -1,7 +1,7 @@
 """The inference fast path: fused projections, a lean functional forward, a GQA-aware single-token attention, and
 an optional ``torch.compile``\\ d decode step over a static KV cache.
 
-:class:`FastPath` wraps a :class:`~minigpt.model.transformer.Transformer` (fp32, bf16 or int8 weight-only) and computes
+:class:`FastPath` wraps a :class:`~minigpt.model.transformer.Transformer` (fp32, bf16, int8 or int4 weight-only) and computes
 the same function as its ``forward`` -- to float rounding: fp32 logits agree within ``1e-5`` (tested) -- with fewer
 kernels per token:
 
@@ -22,7 +22,7 @@ kernels per token:
   gets one row, and so does most of the last layer: it still projects every position's key and value (the cache
   needs them), but its attention, output projection and FFN run for the last query alone. Exact, not an
   approximation: no other position's output of the last layer reaches those logits.
-* **float32 activations** whatever the weight dtype (:data:`ACT_DTYPE`): bf16 and int8 are storage formats of the
+* **float32 activations** whatever the weight dtype (:data:`ACT_DTYPE`): bf16, int8 and int4 are storage formats of the
   weights, converted as they are read; the KV cache and the residual stream stay float32.
 * **Compiled decode step** (``compile=True``), the one that is fast on a CPU:
 
@@ -31,7 +31,8 @@ kernels per token:
     column under a mask. One graph serves every step of every generation of a given batch size and cache length.
   - matrix-vector products written as reductions (:func:`decode_linear`), which Inductor turns into its own
     vectorised loops: ~2x the bandwidth of MKL's ``gemv`` on one core, bf16 converted in the loop, int8 read as
-    float32 words and unpacked with shifts (:func:`int8_words`); attention likewise, fused with the mask and the
+    float32 words and unpacked with shifts (:func:`int8_words`; int4's packed bytes likewise, 8 nibbles a word, the
+    group scales applied once per word); attention likewise, fused with the mask and the
     softmax.
   - each layer is one ``torch.compiler.nested_compile_region`` (:func:`~minigpt.infer.fastpath.step.step_layer`), compiled once and reused by
     every layer, and the per-layer caches are separate graph inputs, so compile time does not grow with depth
@@ -50,7 +51,7 @@ kernels per token:
   Compile time is measured (:attr:`FastPath.compile_seconds`, the first call of each new shape).
 
 Architectures outside the fast path (non-RoPE positions, LayerNorm, post-norm, mixture of experts, dynamic NTK
-RoPE, a sliding attention window shorter than the context) are run through the model's own ``forward``: :func:`supports` says which.
+RoPE, a sliding attention window shorter than the context, QK-norm, logit soft-capping) are run through the model's own ``forward``: :func:`supports` says which.
 
 The block is the model's (:func:`~minigpt.model.transformer.pre_norm_residual` with
 :func:`~minigpt.model.norm.rms_norm`, :func:`~minigpt.model.rope.rope_rotate` and

@@ -1,6 +1,7 @@
-"""The fast path's projections: :class:`Proj` (one possibly fused linear map, fp32, bf16 or int8 weight-only), the
-fusion of a model's projections into row views of one matrix (:func:`fuse_projections`), and the matrix-vector products of the
-compiled decode step (:func:`decode_linear`, with int8 weights read as float32 words, :func:`int8_words`).
+"""The fast path's projections: :class:`Proj` (one possibly fused linear map, fp32, bf16, int8 or int4 weight-only),
+the fusion of a model's projections into row views of one matrix (:func:`fuse_projections`), and the matrix-vector
+products of the compiled decode step (:func:`decode_linear`, with int8 and packed int4 weights read as float32
+words, :func:`int8_words`).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minigpt.model.quant import Int8Linear, int8_linear
+from minigpt.model.quant import Int4Linear, Int8Linear, dequantize_weight_int4, int4_linear, int8_linear
 
 # Activations, the residual stream and the KV cache of the fast path are float32 whatever the weight dtype: bf16
 # (or int8) is a storage format for the weights, converted on the fly. Half-precision arithmetic has no hardware
@@ -27,16 +28,29 @@ DECODE_ROWS_MAX = 8
 class Proj:
     """One (possibly fused) linear projection ``y = x W^T (* scale) + b``.
 
-    ``weight`` ``[out, in]`` float (fp32/bf16) or int8; ``scale`` ``[out]`` (int8 only: per-output-channel
-    symmetric scales, :mod:`minigpt.model.quant`); ``bias`` ``[out]`` or None.
+    ``weight`` ``[out, in]`` float (fp32/bf16) or int8, or int4 packed two a byte ``[out, in / 2]`` (uint8);
+    ``scale``: int8 ``[out]`` per-output-channel, int4 ``[out, in / group_size]`` per group (float16),
+    :mod:`minigpt.model.quant`; ``bias`` ``[out]`` or None. An int4 projection is told apart by its 2-D scale.
     """
 
-    __slots__ = ("weight", "scale", "bias", "words")
+    __slots__ = ("weight", "scale", "bias", "words", "word_scale")
 
     def __init__(self, weight: Optional[torch.Tensor], scale: Optional[torch.Tensor] = None,
-                 bias: Optional[torch.Tensor] = None, words: Optional[torch.Tensor] = None) -> None:
+                 bias: Optional[torch.Tensor] = None, words: Optional[torch.Tensor] = None,
+                 word_scale: Optional[torch.Tensor] = None) -> None:
         self.weight, self.scale, self.bias = weight, scale, bias
-        self.words = words  # int8 only: the weight as float32 words (int8_words), read by the compiled step
+        # int8 / int4 only: the weight's bytes as float32 words (int8_words), read by the compiled step
+        self.words = words
+        # int4 only, compiled step: each word's group scale, [out, in / 8] float16 (int4_word_scales)
+        self.word_scale = word_scale
+
+    @property
+    def group_size(self) -> int:
+        """The int4 group size (0 for other weights), from the shapes: ``in / scale.shape[1]``."""
+        if self.scale is None or self.scale.dim() != 2:
+            return 0
+        n_in = 2 * self.weight.shape[1] if self.weight is not None else 8 * self.words.shape[1]
+        return n_in // self.scale.shape[1]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in]`` in the activation dtype (float32) -> ``[..., out]`` in the same dtype.
@@ -45,6 +59,8 @@ class Proj:
         activations rounded to the weight dtype; many rows (prefill) through an fp32 GEMM on the weights upcast
         once per call, because CPUs without native bf16 run half-precision GEMMs ~100x slower than fp32 ones."""
         w = self.weight
+        if self.scale is not None and self.scale.dim() == 2:
+            return int4_linear(x, w, self.scale, self.group_size, self.bias)
         if self.scale is not None:
             return int8_linear(x, w, self.scale, self.bias)
         if w.dtype == x.dtype:
@@ -56,9 +72,9 @@ class Proj:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the weight, scale and bias."""
+        """Bytes of the weight, scale and bias that a decode step reads (int4 compiled: the per-word scales)."""
         n = self.weight.numel() * self.weight.element_size()
-        for t in (self.scale, self.bias):
+        for t in (self.scale if self.word_scale is None else self.word_scale, self.bias):
             if t is not None:
                 n += t.numel() * t.element_size()
         return n
@@ -80,15 +96,20 @@ class LayerWeights:
 
 
 def module_proj(linear: nn.Module) -> Proj:
-    """The :class:`Proj` of one ``nn.Linear`` or ``Int8Linear`` (its own tensors, not copied)."""
-    if isinstance(linear, Int8Linear):
+    """The :class:`Proj` of one ``nn.Linear``, ``Int8Linear`` or ``Int4Linear`` (its own tensors, not copied)."""
+    if isinstance(linear, (Int8Linear, Int4Linear)):
         return Proj(linear.weight, linear.weight_scale, linear.bias)
     return Proj(linear.weight.detach(), None, None if linear.bias is None else linear.bias.detach())
 
 
-def fuse_projections(linears: list[nn.Module]) -> Proj:
-    """Concatenate ``linears`` (all float ``nn.Linear`` or all ``Int8Linear``) along the output dimension and make
-    each module's tensors row views of the fused ones: no copy survives, the modules keep working unchanged."""
+def fuse_projections(linears: list[nn.Module]) -> Proj | list[Proj]:
+    """Concatenate ``linears`` (all float ``nn.Linear``, all ``Int8Linear`` or all ``Int4Linear`` of one group
+    size) along the output dimension and make each module's tensors row views of the fused ones: no copy survives,
+    the modules keep working unchanged. Layers of mixed kinds are not fused: their :class:`Proj` list comes back."""
+    kinds = {(type(m), getattr(m, "group_size", 0)) for m in linears}
+    if len(kinds) > 1:
+        return [module_proj(m) for m in linears]
+
     def concat_and_repoint(get, set_) -> Optional[torch.Tensor]:
         parts = [get(m) for m in linears]
         if parts[0] is None:
@@ -100,7 +121,7 @@ def fuse_projections(linears: list[nn.Module]) -> Proj:
             start += p.shape[0]
         return fused
 
-    if all(isinstance(m, Int8Linear) for m in linears):
+    if isinstance(linears[0], (Int8Linear, Int4Linear)):
         w = concat_and_repoint(lambda m: m.weight, lambda m, v: setattr(m, "weight", v))
         s = concat_and_repoint(lambda m: m.weight_scale, lambda m, v: setattr(m, "weight_scale", v))
         b = concat_and_repoint(lambda m: m.bias, lambda m, v: setattr(m, "bias", v))
@@ -117,9 +138,10 @@ def fuse_projections(linears: list[nn.Module]) -> Proj:
 
 
 def int8_words(q: torch.Tensor) -> Optional[torch.Tensor]:
-    """The compiled step's view of an int8 matrix ``q`` ``[out, in]``: the same bytes as float32 words
-    ``[out, in / 4]``, byte ``j`` of word ``m`` of a row being ``q[row, 4 m + j]`` (little-endian). Shares ``q``'s
-    memory. None for a non-contiguous ``q``, ``in`` not a multiple of 4 or a big-endian host.
+    """The compiled step's view of an int8 matrix ``q`` ``[out, in]`` (or of packed int4, uint8 ``[out, in / 2]``):
+    the same bytes as float32 words ``[out, in / 4]``, byte ``j`` of word ``m`` of a row being ``q[row, 4 m + j]``
+    (little-endian). Shares ``q``'s memory. None for a non-contiguous ``q``, a row not a multiple of 4 bytes, a
+    float ``q`` or a big-endian host.
 
     Why: Inductor's vectorised loops load int8 through a scalar copy per element, but float32 with plain vector
     loads; from a float32-typed word a bit cast and two shifts per byte give the signed values. Measured in the
@@ -127,7 +149,7 @@ def int8_words(q: torch.Tensor) -> Optional[torch.Tensor]:
     2.1x (`medium`) faster at batch 1. (bf16 read the same way, two halves per word, was 3-8 % slower than
     Inductor's own vectorised bf16 conversion, so bf16 weights are read as they are.)
     """
-    if q.dtype != torch.int8 or q.dim() != 2 or q.shape[1] % 4 or q.storage_offset() % 4:
+    if q.dtype not in (torch.int8, torch.uint8) or q.dim() != 2 or q.shape[1] % 4 or q.storage_offset() % 4:
         return None
     if sys.byteorder != "little" or not q.is_contiguous():
         return None
@@ -153,6 +175,70 @@ def _int8_words_linear(x32: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     return rows[0][None] if batch == 1 else torch.stack(rows)
 
 
+def int4_word_scales(p: Proj) -> Optional[torch.Tensor]:
+    """The group scale of every packed word of the int4 projection ``p`` (``words`` set): ``[out, in / 8]`` float16,
+    a copy of 2 bits a weight (the packed weight has 4, its group scales 0.5).
+
+    Why a copy: read per group, the scale is a strided gather inside the matrix-vector loop (Inductor loads it
+    element by element), which cost ~30 % of a cached 4096 x 4096 int4 product here; read per word it is one more
+    contiguous vector load (measured 4.4 -> 6.1 G weights/s on one core). None for other projections."""
+    if p.words is None or p.scale is None or p.scale.dim() != 2:
+        return None
+    out, n_groups = p.scale.shape
+    per_group = p.words.shape[1] // n_groups
+    return p.scale[:, :, None].expand(out, n_groups, per_group).reshape(out, -1).contiguous()
+
+
+def _int4_words_linear(x32: torch.Tensor, words: torch.Tensor, scale: torch.Tensor,
+                       word_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x32`` ``[batch, in]`` float32 times the int4 matrix whose packed bytes are ``words`` ``[out, in / 8]``
+    (:func:`int8_words` of the uint8 ``[out, in / 2]``) with group scales ``scale`` ``[out, n_groups]``:
+    ``[batch, out]`` float32, scales applied.
+
+    A word holds 8 nibbles: in a group of ``g`` inputs, word ``w`` (of ``g / 8``) has in byte ``b`` the levels of
+    inputs ``4 w + b`` (low nibble) and ``g / 2 + 4 w + b`` (high nibble), the ``Q4_0`` layout. Each of the 8 lanes is
+    a shift and a mask of the word, multiplied by its slice of ``x`` (de-interleaved once, here, into contiguous
+    rows); the offset 8 of the stored levels is taken out once per word, ``sum (q - 8) x = sum q x - 8 sum x``, and
+    the group's scale once per word of the reduction (``word_scale``, :func:`int4_word_scales`, when given; else
+    gathered from ``scale``). Inductor fuses all of it into one loop over the bytes."""
+    batch, n_words = x32.shape[0], words.shape[1]
+    out, n_groups = scale.shape
+    per_group = n_words // n_groups  # words per group, g / 8
+    bits = words.view(torch.int32)
+    if batch > DECODE_ROWS_MAX:  # many rows: one GEMM on the dequantized matrix [out, in]
+        w = dequantize_weight_int4(bits.view(torch.uint8), scale, 8 * per_group)
+        return x32 @ w.T
+    xv = x32.view(batch, n_groups, 2, per_group, 4)  # [batch, group, half, word, byte]
+    lanes, parts, x_sum = [], [], 0
+    for half in range(2):
+        for b in range(4):
+            shift = 8 * b + 4 * half
+            part = xv[:, :, half, :, b].contiguous().view(batch, n_words)
+            x_sum = x_sum + part
+            if shift == 28:  # the top nibble: masked in place it would be the int32 sign bit
+                lanes.append(((bits >> 28) & 15).float())
+            else:
+                # Masked in place, the nibble converts to q * 2^shift exactly (at most 2^28: within float32's
+                # 24-bit mantissa, as q has 4 bits); the 2^-shift goes onto x (exact: a power of two). One shift
+                # fewer per weight than shifting each nibble down, the loop's bottleneck when the matrix is cached.
+                lanes.append((bits & (15 << shift)).float())
+                part = part * 2.0 ** -shift
+            parts.append(torch.as_strided(part, (batch, n_words), (n_words, 1)))  # materialised, see decode_linear
+    offset = 8.0 * x_sum  # [batch, in / 8]: 8 times the x each word's levels multiply
+    offset = torch.as_strided(offset, offset.shape, offset.stride())  # materialised once, not per output row
+    if word_scale is not None:
+        s = word_scale.float()
+    else:  # each word's group scale as an index expression of the reduction (a gather, see int4_word_scales)
+        s = scale.float()[:, :, None].expand(out, n_groups, per_group).reshape(out, n_words)
+    rows = []
+    for r in range(batch):
+        acc = lanes[0] * parts[0][r][None, :]
+        for lane, part in zip(lanes[1:], parts[1:]):
+            acc = acc + lane * part[r][None, :]
+        rows.append(((acc - offset[r][None, :]) * s).sum(-1))
+    return rows[0][None] if batch == 1 else torch.stack(rows)
+
+
 def decode_linear(p, x: torch.Tensor) -> torch.Tensor:
     """``p(x)`` for the traced decode step, ``x`` ``[batch, seq, in]`` -> ``[batch, seq, out]`` (``seq`` new tokens
     per row: 1 when decoding, k + 1 when verifying speculative proposals).
@@ -168,19 +254,22 @@ def decode_linear(p, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([decode_linear(q, x) for q in p], dim=-1)
     batch, seq = x.shape[0], x.shape[1]
     rows = batch * seq  # every (row, position) is one vector of the product
-    if rows > DECODE_ROWS_MAX and p.words is None:
+    int4 = p.scale is not None and p.scale.dim() == 2
+    if (rows > DECODE_ROWS_MAX or int4) and p.words is None:
         return p(x)
     x32 = x.reshape(rows, -1).float()
     # An identity as_strided makes Inductor materialise x first (its lowering realizes the input); otherwise it
     # inlines x's producer into the reduction and recomputes it for every output row (e.g. SiLU * up before w2).
     x32 = torch.as_strided(x32, x32.shape, x32.stride())
-    if p.words is not None:
+    if int4:
+        y = _int4_words_linear(x32, p.words, p.scale, p.word_scale)
+    elif p.words is not None:
         y = _int8_words_linear(x32, p.words)
     else:
         w = p.weight.float() if p.weight.dtype != torch.float32 else p.weight
         ys = [(x32[r][None, :] * w).sum(-1) for r in range(rows)]
         y = ys[0][None] if rows == 1 else torch.stack(ys)
-    if p.scale is not None:
+    if p.scale is not None and not int4:
         y = y * p.scale
     if p.bias is not None:
         y = y + p.bias.float()

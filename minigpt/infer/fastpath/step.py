@@ -96,9 +96,9 @@ def static_step(fp, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Ten
 
 
 def _proj_args(p: Proj) -> tuple:
-    """A projection as plain tensor arguments of a compile region (weight, scale, bias, words); the words, when
-    there are any, replace the weight (they are the same bytes)."""
-    return None if p.words is not None else p.weight, p.scale, p.bias, p.words
+    """A projection as plain tensor arguments of a compile region (weight, scale, bias, words, word_scale); the
+    words, when there are any, replace the weight (they are the same bytes)."""
+    return None if p.words is not None else p.weight, p.scale, p.bias, p.words, p.word_scale
 
 
 # A decode layer is one nested compile region: Inductor compiles it once and stamps the code out for every layer,
@@ -106,8 +106,8 @@ def _proj_args(p: Proj) -> tuple:
 # two halves around the cache write: a region call costs Python wrapper time, and the cache is written outside.
 @torch.compiler.nested_compile_region
 def step_layer(h, k_cache, v_cache, key_valid, cos, sin, attn_norm, wqkv, wqkv_scale, wqkv_bias, wqkv_words,
-               wo, wo_scale, wo_bias, wo_words, ffn_norm, w13, w13_scale, w13_bias, w13_words, w2, w2_scale,
-               w2_bias, w2_words, g: Geometry, attn_eps: float, ffn_eps: float):
+               wqkv_ws, wo, wo_scale, wo_bias, wo_words, wo_ws, ffn_norm, w13, w13_scale, w13_bias, w13_words,
+               w13_ws, w2, w2_scale, w2_bias, w2_words, w2_ws, g: Geometry, attn_eps: float, ffn_eps: float):
     """One block for ``seq`` new tokens per row: ``h`` ``[batch, seq, dim]`` -> ``(h [batch, seq, dim], k, v)``,
     ``k``/``v`` ``[batch, n_kv_heads, seq, head_dim]`` the new tokens' keys and values (cache layout, for the
     caller to write). ``cos``/``sin`` ``[batch, seq, 1, head_dim]``, the sine signed
@@ -120,7 +120,7 @@ def step_layer(h, k_cache, v_cache, key_valid, cos, sin, attn_norm, wqkv, wqkv_s
 
     def attention(x):
         batch, seq = x.shape[0], x.shape[1]
-        qkv = decode_linear(Proj(wqkv, wqkv_scale, wqkv_bias, wqkv_words), x).view(batch, seq, nh + 2 * nkv, hd)
+        qkv = decode_linear(Proj(wqkv, wqkv_scale, wqkv_bias, wqkv_words, wqkv_ws), x).view(batch, seq, nh + 2 * nkv, hd)
         qk = rope_rotate(qkv[:, :, :nh + nkv], cos, sin)
         q = qk[:, :, :nh]
         k = qk[:, :, nh:].transpose(1, 2)  # [batch, n_kv_heads, seq, head_dim]
@@ -142,11 +142,11 @@ def step_layer(h, k_cache, v_cache, key_valid, cos, sin, attn_norm, wqkv, wqkv_s
         out = ((probs[..., :t, None] * v_cache[:, :, None, None, :, :]).sum(-2)
                + (probs[..., t:, None] * v[:, :, None, None, :, :]).sum(-2))  # [batch, n_kv, n_rep, seq, head_dim]
         out = out.permute(0, 3, 1, 2, 4).reshape(batch, seq, nh * hd)
-        return decode_linear(Proj(wo, wo_scale, wo_bias, wo_words), out)
+        return decode_linear(Proj(wo, wo_scale, wo_bias, wo_words, wo_ws), out)
 
     def feed_forward(x):
-        hidden = ffn_hidden(g.ffn, decode_linear(Proj(w13, w13_scale, w13_bias, w13_words), x))
-        return decode_linear(Proj(w2, w2_scale, w2_bias, w2_words), hidden)
+        hidden = ffn_hidden(g.ffn, decode_linear(Proj(w13, w13_scale, w13_bias, w13_words, w13_ws), x))
+        return decode_linear(Proj(w2, w2_scale, w2_bias, w2_words, w2_ws), hidden)
 
     h = pre_norm_residual(h, lambda x: rms_norm(x, attn_norm, attn_eps), attention,
                           lambda x: rms_norm(x, ffn_norm, ffn_eps), feed_forward)

@@ -13,7 +13,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from minigpt.checkpoint.adapter import load_merged
-from minigpt.infer.fastpath.kernels import ACT_DTYPE, LayerWeights, fuse_projections, int8_words, module_proj
+from minigpt.checkpoint.native import load_model
+from minigpt.infer.fastpath.kernels import (
+    ACT_DTYPE,
+    LayerWeights,
+    fuse_projections,
+    int4_word_scales,
+    int8_words,
+    module_proj,
+)
 from minigpt.infer.fastpath.step import Geometry, compile_step
 from minigpt.infer.kv_cache import LayerKVCache
 from minigpt.model.attention import causal_mask, padded_causal_mask
@@ -21,7 +29,7 @@ from minigpt.model.config import ModelConfig
 from minigpt.model.ffn import GATED, ffn_hidden
 from minigpt.model.kv_cache import KVCache
 from minigpt.model.norm import rms_norm
-from minigpt.model.quant import is_quantized, quantize_model
+from minigpt.model.quant import SCHEMES, is_quantized, quantize_model
 from minigpt.model.rope import rope_rotate, signed_sine
 from minigpt.model.transformer import Transformer, positions_from_mask, pre_norm_residual
 
@@ -42,6 +50,10 @@ def supports(config: ModelConfig) -> Optional[str]:
         return "dynamic RoPE scaling"
     if config.sliding_window is not None and config.sliding_window < config.max_seq_len:
         return "sliding-window attention"
+    if config.qk_norm:
+        return "QK-norm"
+    if config.logit_softcap is not None:
+        return "logit soft-capping"
     return None
 
 
@@ -101,9 +113,14 @@ class FastPath(nn.Module):
         self.final_norm = m.norm.weight.detach()
         self.final_eps = m.norm.eps
         self.head = module_proj(m.output)
-        if self.compiled:  # int8 weights are read by the compiled step as float32 words (same memory)
-            for p in [self.head] + [q for lw in self.layers for q in (lw.wqkv, lw.wo, lw.w13, lw.w2)]:
+        projections = [self.head] + [q for lw in self.layers for q in (lw.wqkv, lw.wo, lw.w13, lw.w2)]
+        # The compiled step takes each projection as one tensor set: layers of mixed kinds that could not be fused
+        # (fuse_projections) run eagerly.
+        self.compiled = self.compiled and not any(isinstance(p, list) for p in projections)
+        if self.compiled:  # int8 and int4 weights are read by the compiled step as float32 words (same memory)
+            for p in projections:
                 p.words = int8_words(p.weight)
+                p.word_scale = int4_word_scales(p)
         # RoPE tables in the activation dtype, the sine in the signed form rope_rotate takes (signed once, here).
         self.cos = m.rope_cos.to(ACT_DTYPE)
         self.sin_signed = signed_sine(m.rope_sin).to(ACT_DTYPE)
@@ -333,16 +350,26 @@ class FastPath(nn.Module):
 def prepare(model: Transformer, dtype: Optional[torch.dtype] = None, quantize: Optional[str] = None,
             fuse: bool = True, compile: bool = False, compile_mode: Optional[str] = None) -> FastPath:
     """Convert ``model`` in place for inference and wrap it: cast to ``dtype`` (bf16 weights are an option; the
-    norms' statistics and the softmax stay float32), quantize (``"int8"``: weight-only per-channel, see
-    :mod:`minigpt.model.quant`; skipped when the model is already quantized), fuse, and optionally compile the decode
-    step. Raises ``ValueError`` for an unknown ``quantize``."""
+    norms' statistics and the softmax stay float32), quantize (``"int8"``: weight-only per-channel; ``"int4"``:
+    weight-only in groups of 32, llama.cpp's ``Q4_0``; see :mod:`minigpt.model.quant`; skipped when the model is
+    already quantized), fuse, and optionally compile the decode step. Raises ``ValueError`` for an unknown
+    ``quantize``."""
     if dtype is not None and not is_quantized(model):
         model.to(dtype=dtype)
-    if quantize not in (None, "none", "int8"):
-        raise ValueError(f"unknown quantization {quantize!r}; choose int8 or none")
-    if quantize == "int8" and not is_quantized(model):
-        quantize_model(model)
+    quantize_in_place(model, quantize)
     return FastPath(model, fuse=fuse, compile=compile, compile_mode=compile_mode)
+
+
+def quantize_in_place(model: Transformer, quantize: Optional[str]) -> Transformer:
+    """Quantize ``model`` by the name a user gives (``"int8"``, ``"int4"``; None or ``"none"``: leave it) unless it
+    is quantized already. Raises ``ValueError`` for an unknown name."""
+    if quantize in (None, "none"):
+        return model
+    if quantize not in SCHEMES:
+        raise ValueError(f"unknown quantization {quantize!r}; choose {', '.join(SCHEMES)} or none")
+    if not is_quantized(model):
+        quantize_model(model, SCHEMES[quantize])
+    return model
 
 
 def load_for_inference(source, device: torch.device | str = "cpu", dtype: Optional[torch.dtype] = None,
@@ -353,9 +380,11 @@ def load_for_inference(source, device: torch.device | str = "cpu", dtype: Option
     still does). ``adapter``: a PEFT LoRA folder merged into the weights first
     (:func:`minigpt.checkpoint.adapter.load_merged`). Raises :class:`~minigpt.errors.MiniGPTError` for unreadable
     sources or an adapter made for another base."""
-    model = load_merged(source, adapter, device=device, dtype=dtype)
+    if adapter is None and quantize not in (None, "none"):
+        # Quantized tensor by tensor as it is read: the float model is never built in full.
+        model = load_model(source, device=device, dtype=dtype, quantize=quantize)
+    else:
+        model = load_merged(source, adapter, device=device, dtype=dtype)
     if not fast:
-        if quantize == "int8" and not is_quantized(model):
-            quantize_model(model)
-        return model
+        return quantize_in_place(model, quantize)
     return prepare(model, quantize=quantize, compile=compile, compile_mode=compile_mode)

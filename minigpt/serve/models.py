@@ -1,0 +1,58 @@
+"""What one ``minigpt serve`` serves, by the names clients send in ``model``: the base model (merged with one
+LoRA adapter, ``--adapter DIR``) or the base and several LoRA adapters over it (``--adapter name=DIR``, batched
+together per row: :mod:`minigpt.infer.adapters`), with the engine built around them and the ``/v1/models`` list.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from minigpt.checkpoint.adapter import load_merged, read_adapter
+from minigpt.errors import MiniGPTError
+from minigpt.infer.engine import Engine
+from minigpt.runtime import DTYPES, pick_device
+from minigpt.serve.schemas import bad_request
+from minigpt.tokenizer.tokenizer import Tokenizer
+
+
+def load_engine(ckpt: Path, tokenizer: Tokenizer, adapter: Optional[str] = None,
+                adapters: Optional[dict[str, str]] = None, device: str = "auto", dtype: str = "float32",
+                base_name: Optional[str] = None, **engine_kw: Any) -> Engine:
+    """The engine serving the model at ``ckpt``: with the PEFT folder ``adapter`` merged in, or with the PEFT
+    folders ``adapters`` (name -> folder) served per request over the unmerged base (``base_name``: the base's
+    model name, which no adapter may take). ``engine_kw`` go to
+    :class:`Engine`. Raises :class:`MiniGPTError` for an unreadable model or adapter, an adapter made for another
+    base, or a tokenizer larger than the model's vocabulary."""
+    if adapter is not None and adapters:
+        raise MiniGPTError("--adapter DIR (merged) and --adapter NAME=DIR (served by name) do not mix; name them all")
+    if base_name in (adapters or {}):
+        raise MiniGPTError(f"adapter name '{base_name}' is the base model's name; choose another")
+    model = load_merged(ckpt, adapter, device=pick_device(device), dtype=DTYPES[dtype])
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise MiniGPTError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                           f"{model.config.vocab_size} embeddings")
+    weights = {name: read_adapter(model, folder) for name, folder in (adapters or {}).items()}
+    return Engine(model, tokenizer, adapters=weights or None, **engine_kw)
+
+
+def resolve_model(model: Any, base_name: str, adapter_names: list[str]) -> Optional[str]:
+    """The adapter a request's ``model`` field names: None for the base model (or no ``model``), else the adapter's
+    name. Raises an :class:`~minigpt.serve.schemas.ApiError` 400 ``model_not_found`` (OpenAI's error body) for any
+    other name, or a non-string."""
+    if model is None or model == base_name:
+        return None
+    if not isinstance(model, str):
+        raise bad_request("'model' must be a string", "model")
+    if model in adapter_names:
+        return model
+    served = ", ".join(f"'{n}'" for n in [base_name, *adapter_names])
+    raise bad_request(f"the model '{model}' does not exist; this server serves {served}", "model", "model_not_found")
+
+
+def model_list(base_name: str, adapter_names: list[str], created: int) -> dict[str, Any]:
+    """The body of ``GET /v1/models``: OpenAI's list of model objects, the base first, then each adapter with
+    ``parent`` naming the base (as vLLM lists its LoRA modules)."""
+    cards = [{"id": base_name, "object": "model", "created": created, "owned_by": "minigpt"}]
+    cards += [{"id": name, "object": "model", "created": created, "owned_by": "minigpt", "parent": base_name}
+              for name in adapter_names]
+    return {"object": "list", "data": cards}

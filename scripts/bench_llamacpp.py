@@ -1,0 +1,362 @@
+"""llama.cpp and MiniGPT side by side on the same weights, on this CPU, batch 1, greedy.
+
+What it does (``python scripts/bench_llamacpp.py [--model SRC | --preset small]``):
+
+1. Builds llama.cpp (once, into ``--cache``, default ``/work/cache/llama.cpp``) from the vendored source of the
+   ``llama_cpp_python`` sdist (``pip download --no-binary :all: --no-deps llama_cpp_python``), with cmake and ninja
+   from PyPI, ``-DGGML_NATIVE=ON`` (``-march=native``), at ``nice -n 19`` and ``--jobs`` (default 1) compile jobs,
+   and only the tools it needs: ``llama-bench``, ``llama-completion`` (the CLI: ``-t`` threads, non-interactive),
+   ``llama-simple`` and ``llama-quantize``.
+2. Takes a Hugging Face fp32 directory (``--model``: any MiniGPT model source, exported with ``minigpt export
+   --format hf`` when it is not one already; default ``../shared/data/models/stories260K/hf``; or ``--preset``: a
+   random-weight MiniGPT preset exported the same way) and converts it with llama.cpp's own
+   ``convert_hf_to_gguf.py`` to F32, F16, BF16 and Q8_0 GGUF, and with ``llama-quantize`` from F32 to Q4_0.
+3. Measures, in ``--rounds`` interleaved rounds (each round: every precision, llama.cpp then MiniGPT), medians:
+
+   * decode tokens/s, batch 1, ``--new-tokens`` (128) tokens: llama-bench ``tg128`` (from an empty context) vs
+     MiniGPT's warm in-process ``generate_tokens`` from a 1-token prompt (compiled decode step unless
+     ``--no-compile``; compilation happens before the rounds);
+   * prefill tokens/s over ``--prefill`` (512) tokens: llama-bench ``pp512`` vs a MiniGPT forward into a fresh KV
+     cache, last position's logits only;
+   * time to first token, ms: a ``--ttft-prompt`` (128) token prompt plus one generated token -- llama-bench
+     ``-pg 128,1`` (time = 129 / its tokens/s) vs MiniGPT's prefill plus one decode step;
+   * end-to-end wall time of one CLI call generating ``--new-tokens`` tokens from a short prompt:
+     ``llama-completion -no-cnv --temp 0 -t T`` vs ``minigpt generate --temperature 0 --threads T`` (a fresh
+     process each: start-up, load, prompt, decode; ``--cli-compile`` adds ``--compile``), with the number of tokens
+     each generated (either may stop at EOS).
+
+   MiniGPT's matching precision: F32 = fp32, F16 = fp16 weights, BF16 = bf16 weights, Q8_0 = int8 weight-only
+   (per channel), Q4_0 = int4 weight-only (groups of 32, Q4_0's own layout). Ratios are MiniGPT / llama.cpp for
+   rates and llama.cpp / MiniGPT for times, so > 1 means MiniGPT is faster. The CPU model, its SIMD flags, the
+   thread count and the load average before and after are printed with the table (``--json FILE``: every sample).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+TOOLS = ("llama-bench", "llama-completion", "llama-simple", "llama-quantize")
+# llama.cpp type -> (converter --outtype or None for llama-quantize, MiniGPT label, torch dtype name, --quantize)
+PRECISIONS = {
+    "F32": ("f32", "fp32", "float32", None),
+    "F16": ("f16", "fp16", "float16", None),
+    "BF16": ("bf16", "bf16", "bfloat16", None),
+    "Q8_0": ("q8_0", "int8", "float32", "int8"),
+    "Q4_0": (None, "int4", "float32", "int4"),
+}
+FLAGS = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+         "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16")
+PROMPT = "Once upon a time, there was a little girl"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run(cmd, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kw)
+    if proc.returncode and check:
+        raise SystemExit(f"command failed ({proc.returncode}): {' '.join(map(str, cmd))}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+# ------------------------------------------------------------------------------------------------- build
+def llama_source(cache: Path) -> Path:
+    """The vendored llama.cpp tree of the llama_cpp_python sdist in ``cache`` (downloaded and extracted once)."""
+    sdists = sorted(glob.glob(str(cache / "llama_cpp_python-*.tar.gz")))
+    if not sdists:
+        log("downloading the llama_cpp_python sdist")
+        run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "llama_cpp_python",
+             "-d", cache])
+        sdists = sorted(glob.glob(str(cache / "llama_cpp_python-*.tar.gz")))
+    sdist = Path(sdists[-1])
+    tree = cache / sdist.name.removesuffix(".tar.gz") / "vendor" / "llama.cpp"
+    if not (tree / "CMakeLists.txt").is_file():
+        with tarfile.open(sdist) as tar:
+            tar.extractall(cache, filter="data")
+    return tree
+
+
+def build_llamacpp(cache: Path, jobs: int, no_amx: bool = False) -> tuple[Path, Path]:
+    """``(llama.cpp source tree, its bin directory)``, building the missing tools first. ``no_amx``: a second build
+    (``build-noamx``) compiled with ``-mno-amx-*``, for hosts where llama.cpp's AMX kernels fault (seen here: a
+    general protection fault at ``ldtilecfg`` in ``ggml_backend_amx_mul_mat`` during prompt processing of Q8_0 and
+    Q4_0 weights, whose repacked buffers route matrix products to AMX)."""
+    cache.mkdir(parents=True, exist_ok=True)
+    tree = llama_source(cache)
+    build = cache / ("build-noamx" if no_amx else "build")
+    bins = build / "bin"
+    missing = [t for t in TOOLS if not (bins / t).is_file()]
+    if not missing:
+        return tree, bins
+    if not (VENV_BIN / "cmake").is_file() or not (VENV_BIN / "ninja").is_file():
+        log("installing cmake and ninja from PyPI into the venv")
+        run([sys.executable, "-m", "pip", "install", "-c", ROOT / "constraints.txt", "cmake", "ninja"])
+    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    no_amx_flags = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    extra = [f"-DCMAKE_C_FLAGS={no_amx_flags}", f"-DCMAKE_CXX_FLAGS={no_amx_flags}"] if no_amx else []
+    if not (build / "build.ninja").is_file():
+        run(["nice", "-n", "19", VENV_BIN / "cmake", "-S", tree, "-B", build, "-G", "Ninja",
+             "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+             "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF", *extra], env=env)
+    log(f"building {', '.join(missing)} with {jobs} job(s) at nice 19 (minutes on a small machine)")
+    run(["nice", "-n", "19", VENV_BIN / "ninja", "-C", build, f"-j{jobs}", *missing], env=env)
+    return tree, bins
+
+
+# ---------------------------------------------------------------------------------------------- weights
+def hf_source(args, work: Path) -> Path:
+    """A Hugging Face fp32 directory of the weights to compare: --model as is when it is one, else exported."""
+    if args.preset:
+        src = work / f"{args.preset}-minigpt"
+        # llama.cpp's converter needs a tokenizer it knows: stories260K's SentencePiece model (512 pieces; the
+        # converter pads the vocabulary to the model's 4096 rows).
+        code = ("import sys, torch; from minigpt import Transformer, save_pretrained; "
+                "from minigpt.model.config import preset; from minigpt.tokenizer.tokenizer import Tokenizer; "
+                f"torch.manual_seed(0); model = Transformer(preset({args.preset!r}, vocab_size=4096, "
+                "max_seq_len=1024)); save_pretrained(model, sys.argv[1], Tokenizer.from_file(sys.argv[2]))")
+        run([sys.executable, "-c", code, src, args.tokenizer])
+    else:
+        src = Path(args.model)
+        if (src / "config.json").is_file() and "architectures" in json.loads((src / "config.json").read_text()):
+            return src
+    out = work / "hf"
+    run([sys.executable, "-m", "minigpt", "export", src, out, "--format", "hf", "--dtype", "float32"])
+    return out
+
+
+def convert(hf_dir: Path, tree: Path, bins: Path, cache: Path, types: list[str]) -> dict[str, Path]:
+    """``{llama.cpp type: GGUF path}``, converted with llama.cpp's tools (kept in ``cache/gguf/<hash>``)."""
+    key = hashlib.sha256(str(hf_dir.resolve()).encode() + (hf_dir / "config.json").read_bytes()).hexdigest()[:12]
+    out = cache / "gguf" / key
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for kind in ["F32"] + [t for t in types if t != "F32"]:
+        path = out / f"model-{kind}.gguf"
+        if not path.is_file():
+            outtype = PRECISIONS[kind][0]
+            log(f"converting to {kind}")
+            if outtype is None:  # Q4_0: llama-quantize from F32, as llama.cpp's docs do
+                run([bins / "llama-quantize", paths["F32"], path, kind])
+            else:
+                run([sys.executable, tree / "convert_hf_to_gguf.py", hf_dir, "--outtype", outtype, "--outfile",
+                     path])
+        paths[kind] = path
+    return {t: paths[t] for t in types}
+
+
+# ----------------------------------------------------------------------------------------------- timing
+# Types whose CPU weight repacking crashed llama.cpp (seen on this host for Q8_0 and Q4_0: the repacked buffers send
+# prompt processing to AMX, which faults; see build_llamacpp's no_amx): they run with repacking off from then on, and
+# the table says so.
+NO_REPACK: set[str] = set()
+
+
+def run_llama(cmd: list, kind: str, off_flag: list) -> subprocess.CompletedProcess:
+    """Run a llama.cpp tool; if it dies of a signal with weight repacking on, once more with ``off_flag``."""
+    if kind not in NO_REPACK:
+        proc = run(cmd, check=False)
+        if proc.returncode >= 0:
+            if proc.returncode:
+                raise SystemExit(f"command failed ({proc.returncode}): {' '.join(map(str, cmd))}\n{proc.stderr[-3000:]}")
+            return proc
+        log(f"llama.cpp crashed (signal {-proc.returncode}) on {kind} with weight repacking: retrying without "
+            "(on a host whose AMX kernels fault, --no-amx keeps repacking, llama.cpp's fast path, on)")
+        NO_REPACK.add(kind)
+    return run(cmd + off_flag)
+
+
+def llama_bench(bins: Path, gguf: Path, kind: str, args) -> dict[str, float]:
+    """One llama-bench run (``-r 1``): decode tok/s (tg), prefill tok/s (pp) and time to first token (s)."""
+    p = run_llama([bins / "llama-bench", "-m", gguf, "-p", args.prefill, "-n", args.new_tokens, "-pg",
+                   f"{args.ttft_prompt},1", "-t", args.threads, "-r", 1, "-o", "json"], kind, ["--repack", 0])
+    out = {}
+    for test in json.loads(p.stdout):
+        n_prompt, n_gen, rate = test["n_prompt"], test["n_gen"], test["avg_ts"]
+        if n_prompt and n_gen:
+            out["ttft_s"] = (n_prompt + n_gen) / rate
+        elif n_gen:
+            out["decode"] = rate
+        else:
+            out["prefill"] = rate
+    return out
+
+
+def minigpt_variant(hf_dir: Path, kind: str, args):
+    import torch
+
+    from minigpt.infer.fastpath import load_for_inference
+
+    _, _, dtype, quantize = PRECISIONS[kind]
+    return load_for_inference(hf_dir, dtype=getattr(torch, dtype), quantize=quantize, compile=not args.no_compile)
+
+
+def minigpt_measure(fp, args) -> dict[str, float]:
+    """MiniGPT in this process: decode tok/s, prefill tok/s, time to first token (prefill + one step), seconds."""
+    import torch
+
+    from minigpt.infer.generate import generate_tokens
+    from minigpt.infer.sampling import SamplingParams
+
+    vocab = fp.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    greedy = SamplingParams(max_tokens=args.new_tokens, temperature=0)
+    with torch.inference_mode():
+        t = time.perf_counter()
+        n = len(list(generate_tokens(fp, [1], greedy)))  # no stop ids: exactly new_tokens
+        decode = n / (time.perf_counter() - t)
+        tokens = torch.randint(0, vocab, (1, args.prefill), generator=gen)
+        t = time.perf_counter()
+        fp(tokens, 0, fp.new_kv_cache(1, args.prefill), last_only=True)
+        prefill = args.prefill / (time.perf_counter() - t)
+        prompt = torch.randint(0, vocab, (1, args.ttft_prompt), generator=gen)
+        t = time.perf_counter()
+        cache = fp.new_kv_cache(1, args.ttft_prompt + 1)
+        logits = fp(prompt, 0, cache, last_only=True)[:, -1]
+        fp.decode_step(logits.argmax(-1, keepdim=True), args.ttft_prompt, cache)
+        ttft = time.perf_counter() - t
+    return {"decode": decode, "prefill": prefill, "ttft_s": ttft}
+
+
+def cli_calls(bins: Path, gguf: Path, hf_dir: Path, kind: str, args) -> dict[str, float]:
+    """Wall seconds (and generated tokens) of one llama-completion and one `minigpt generate` call."""
+    _, _, dtype, quantize = PRECISIONS[kind]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    t = time.perf_counter()
+    p = run_llama([bins / "llama-completion", "-m", gguf, "-n", args.new_tokens, "--temp", 0, "-t", args.threads,
+                   "-no-cnv", "-p", PROMPT], kind, ["--no-repack"])
+    llama_s = time.perf_counter() - t
+    m = re.search(r"eval time =.*?/\s*(\d+) runs", p.stderr)
+    cmd = [sys.executable, "-m", "minigpt", "generate", hf_dir, "--prompt", PROMPT, "--max-new-tokens",
+           args.new_tokens, "--temperature", 0, "--threads", args.threads, "--dtype", dtype, "--stats"]
+    cmd += ["--quantize", quantize] if quantize else []
+    cmd += ["--compile"] if args.cli_compile else []
+    t = time.perf_counter()
+    q = run(cmd, env=env)
+    ours_s = time.perf_counter() - t
+    n = re.search(r"total (\d+) tokens", q.stderr)
+    return {"llama_cli_s": llama_s, "llama_cli_tokens": int(m.group(1)) + 1 if m else -1,
+            "minigpt_cli_s": ours_s, "minigpt_cli_tokens": int(n.group(1)) if n else -1}
+
+
+# ----------------------------------------------------------------------------------------------- report
+def cpu_description() -> str:
+    model, flags = "unknown CPU", []
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        model = re.search(r"model name\s*:\s*(.*)", text).group(1).strip()
+        have = set(re.search(r"flags\s*:\s*(.*)", text).group(1).split())
+        flags = [f for f in FLAGS if f in have]
+    except (OSError, AttributeError):
+        pass
+    return f"{model}; flags: {' '.join(flags) or 'none of ' + ' '.join(FLAGS)}; {os.cpu_count()} logical CPUs"
+
+
+def _load(avg) -> str:
+    return " ".join(f"{x:.2f}" for x in avg)
+
+
+def table(samples: dict, types: list[str], args) -> str:
+    med = lambda side, kind, key: statistics.median(r[key] for r in samples[side][kind])  # noqa: E731
+    head = ["llama.cpp", "MiniGPT", "decode tok/s llama.cpp", "MiniGPT", "ratio", f"pp{args.prefill} llama.cpp",
+            "MiniGPT", "ratio", f"TTFT ms ({args.ttft_prompt}+1) llama.cpp", "MiniGPT", "ratio"]
+    if not args.no_cli:
+        head += ["CLI wall s llama.cpp", "MiniGPT", "ratio", "tokens (llama.cpp / MiniGPT)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for kind in types:
+        row = [kind + (" (no repack)" if kind in NO_REPACK else ""), PRECISIONS[kind][1]]
+        for key, rate in (("decode", True), ("prefill", True), ("ttft_s", False)):
+            a, b = med("llama", kind, key), med("minigpt", kind, key)
+            scale = 1 if rate else 1000
+            row += [f"{a * scale:,.2f}", f"{b * scale:,.2f}", f"**{(b / a if rate else a / b):.2f}×**"]
+        if not args.no_cli:
+            a, b = med("cli", kind, "llama_cli_s"), med("cli", kind, "minigpt_cli_s")
+            counts = f"{samples['cli'][kind][0]['llama_cli_tokens']} / {samples['cli'][kind][0]['minigpt_cli_tokens']}"
+            row += [f"{a:.2f}", f"{b:.2f}", f"**{a / b:.2f}×**", counts]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=str(ROOT / "../shared/data/models/stories260K/hf"),
+                    help="model source (HF fp32 dir, or anything `minigpt export` reads); default stories260K")
+    ap.add_argument("--preset", help="a random-weight MiniGPT preset (e.g. small) instead of --model")
+    ap.add_argument("--tokenizer", default=str(ROOT / "../shared/data/models/stories260K/tok512.model"),
+                    help="SentencePiece model saved with --preset (default stories260K's)")
+    ap.add_argument("--cache", default="/work/cache/llama.cpp", help="llama.cpp sdist, build and GGUF cache")
+    ap.add_argument("--jobs", type=int, default=1, help="compile jobs for the llama.cpp build (default 1)")
+    ap.add_argument("--build-only", action="store_true", help="build llama.cpp and stop")
+    ap.add_argument("--no-amx", dest="no_amx", action="store_true",
+                    help="use a llama.cpp build without AMX kernels (build-noamx), for hosts where they fault")
+    ap.add_argument("--precisions", default="F32,F16,BF16,Q8_0,Q4_0", help="llama.cpp types, comma-separated")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians reported; >= 3 for a table)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads on both sides")
+    ap.add_argument("--new-tokens", dest="new_tokens", type=int, default=128)
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--ttft-prompt", dest="ttft_prompt", type=int, default=128)
+    ap.add_argument("--no-compile", dest="no_compile", action="store_true", help="MiniGPT in-process eager")
+    ap.add_argument("--no-cli", dest="no_cli", action="store_true", help="skip the end-to-end CLI calls")
+    ap.add_argument("--cli-compile", dest="cli_compile", action="store_true", help="`minigpt generate --compile`")
+    ap.add_argument("--json", dest="json_path", help="write every sample here")
+    args = ap.parse_args()
+    types = [t.strip().upper() for t in args.precisions.split(",") if t.strip()]
+    bad = [t for t in types if t not in PRECISIONS]
+    if bad or args.rounds < 1:
+        ap.error(f"unknown precisions {bad} (choose from {list(PRECISIONS)}) or --rounds < 1")
+    cache = Path(args.cache)
+    tree, bins = build_llamacpp(cache, args.jobs, args.no_amx)
+    if args.build_only:
+        print(f"llama.cpp tools in {bins}")
+        return 0
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    cpu, load_before = cpu_description(), os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="bench-llamacpp-") as tmp:
+        hf_dir = hf_source(args, Path(tmp))
+        ggufs = convert(hf_dir, tree, bins, cache, types)
+        log("loading (and compiling) the MiniGPT variants")
+        variants = {}
+        for kind in types:
+            t = time.perf_counter()
+            variants[kind] = minigpt_variant(hf_dir, kind, args)
+            minigpt_measure(variants[kind], args)  # warm-up: compiles the decode step
+            log(f"  {kind}: ready in {time.perf_counter() - t:.1f} s")
+        samples = {"llama": {k: [] for k in types}, "minigpt": {k: [] for k in types}, "cli": {k: [] for k in types}}
+        for r in range(args.rounds):
+            for kind in types:
+                samples["llama"][kind].append(llama_bench(bins, ggufs[kind], kind, args))
+                samples["minigpt"][kind].append(minigpt_measure(variants[kind], args))
+                if not args.no_cli:
+                    samples["cli"][kind].append(cli_calls(bins, ggufs[kind], hf_dir, kind, args))
+                log(f"round {r + 1}/{args.rounds} {kind}: llama.cpp {samples['llama'][kind][-1]} | MiniGPT "
+                    f"{samples['minigpt'][kind][-1]}" + ("" if args.no_cli else f" | {samples['cli'][kind][-1]}"))
+    report = table(samples, types, args)
+    footer = (f"\n{cpu}; {args.threads} threads; torch {torch.__version__}; {args.rounds} interleaved round(s), "
+              f"medians; MiniGPT in-process {'eager' if args.no_compile else 'compiled decode step'}, CLI "
+              f"{'--compile' if args.cli_compile else 'eager'}; load average {_load(load_before)} -> {_load(os.getloadavg())}; "
+              f"weights {args.preset or args.model}; llama.cpp from {tree.parents[1].name}"
+              f"{' built without AMX' if args.no_amx else ''}")
+    print(report + footer)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps({"samples": samples, "cpu": cpu, "args": vars(args)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

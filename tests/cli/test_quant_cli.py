@@ -1,0 +1,66 @@
+"""`minigpt quantize --dtype int4`, `generate --stats --threads --quantize int4` and `bench --model PATH`: the size
+report counts a tied embedding once, the stats line has its fields, bad group sizes are one-line errors, and bench
+measures a given checkpoint."""
+import re
+
+import pytest
+from conftest import assert_one_line_error, random_model, run_cli
+
+from minigpt.analysis.bench.infer import BenchSettings
+from minigpt.checkpoint.native import save_pretrained
+from minigpt.model.quant import tensor_bytes
+from minigpt.tokenizer.tokenizer import train_tokenizer
+
+SHAPE = dict(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=64, multiple_of=32)
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory):
+    """A tied model whose embedding (4096 x 64 float32, 1 MiB) dominates its bytes, with a tokenizer."""
+    tok = train_tokenizer(["the cat sat on the mat and the dog ate the hat " * 40], 300)
+    model = random_model(dict(SHAPE, vocab_size=4096), tie_embeddings=True)
+    return save_pretrained(model, tmp_path_factory.mktemp("tied") / "m", tok), model
+
+
+def test_quantize_int4_reports_tied_weights_once_and_generates_with_stats(tied_dir, tmp_path):
+    src, model = tied_dir
+    proc = run_cli("quantize", src, tmp_path / "q4", "--dtype", "int4")
+    assert proc.returncode == 0, proc.stderr
+    before, after = map(float, re.search(r"\(([\d.]+) MiB -> ([\d.]+) MiB", proc.stdout).groups())
+    assert before == round(tensor_bytes(model) / 2**20, 1)  # the tied matrix once: 1.2, not 2.2
+    # After: the float embedding (1 MiB) plus the head's own int8 copy (0.25 MiB) and the small block.
+    assert before < 1.5 and 1.25 <= after < 1.4
+    proc = run_cli("generate", tmp_path / "q4", "--prompt", "the cat", "--max-new-tokens", 6, "--temperature", 0,
+                   "--stats", "--threads", 1, "--quantize", "int4")  # already int4: --quantize leaves it as is
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    two = r"\d+\.\d\d"
+    for field in (rf"decode {two} tokens/s", rf"prefill \d+ tokens: {two} tokens/s", rf"time to first token {two} s",
+                  rf"load {two} s", rf"compile {two} s"):
+        assert re.search(field, line), (field, line)
+    assert line.startswith("[decode ")  # the headline rate: decode, compilation excluded
+
+
+def test_quantize_bad_group_sizes_are_one_line_errors(tied_dir, tmp_path):
+    src, _ = tied_dir
+    assert_one_line_error(run_cli("quantize", src, tmp_path / "a", "--dtype", "int4", "--group-size", 12),
+                          "group size must be a positive multiple of 8, got 12")
+    assert_one_line_error(run_cli("quantize", src, tmp_path / "b", "--group-size", 64), "--group-size applies to")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_bench_model_path_with_int4(tied_dir, tmp_path):
+    src, _ = tied_dir
+    out = tmp_path / "table.md"
+    proc = run_cli("bench", "--model", src, "--quantize", "int8,int4", "--rows", "prefill,decode-b1", "--dtypes",
+                   "float32", "--repeats", 1, "--warmup", 0, "--no-transformers", "--prefill-len", 16,
+                   "--prompt-len", 4, "--new-tokens", 4, "--threads", 1, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    table = out.read_text()
+    assert "minigpt+int4 tok/s" in table and "minigpt+int8 tok/s" in table
+    name = f"{src.parent.name}/{src.name}"  # the folder and its parent: `hf` alone would say little
+    assert f"| {name} | float32 | prefill |" in table and f"| {name} | float32 | decode-b1 |" in table
+    assert_one_line_error(run_cli("bench", "--model", src, "--prefill-len", 512, "--no-transformers"),
+                          "context of 64 tokens", "need 512")
+    with pytest.raises(ValueError, match="--quantize takes int8, int4"):
+        BenchSettings(quantize="int8,int3")
