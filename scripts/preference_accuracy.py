@@ -67,7 +67,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.manual_seed(0)
     try:
-        print(f"| model | pairs | acc | acc_norm | mean logp chosen | mean logp rejected |\n|---|---|---|---|---|---|")
+        print("| model | pairs | acc | acc_norm | mean logp chosen | mean logp rejected |\n|---|---|---|---|---|---|")
         for path in args.models:
             s = score(path, args.data, args.batch_size, args.limit)
             print(f"| {path} | {s['pairs']} | {s['acc']:.3f} | {s['acc_norm']:.3f} | {s['logps_chosen']:.2f} "
