@@ -194,7 +194,8 @@ def load_model(
 ) -> Transformer:
     """Load a model into a :class:`Transformer` in eval mode, ``dtype`` (default float32) on ``device``.
 
-    ``source``: a MiniGPT or Hugging Face directory, a ``.gguf`` file or a llama2.c ``.bin`` file. A directory
+    ``source``: a MiniGPT or Hugging Face directory, a training run directory (its ``latest`` checkpoint), a
+    ``.gguf`` file or a llama2.c ``.bin`` file. A directory
     saved quantized (:func:`minigpt.checkpoint.quantized.save_quantized`) loads as a quantized model (int8 weights kept; ``dtype``
     applies to its float tensors). ``quantize`` (``"int8"`` / ``"int4"``, :data:`minigpt.model.quant.SCHEMES`)
     loads any other source quantized (what :func:`minigpt.model.quant.quantize_model` makes of the float model, bit
@@ -205,6 +206,7 @@ def load_model(
     """
     if quantize not in (None, "none", *SCHEMES):
         raise MiniGPTError(f"unknown quantization {quantize!r}; choose {', '.join(SCHEMES)} or none")
+    source = _follow_latest(source)
     quantization = quantization_of(source)
     if quantize in SCHEMES and quantization is None:
         return _load_quantizing(source, SCHEMES[quantize], device, dtype)
@@ -308,7 +310,7 @@ def load_tokenizer(source: str | Path) -> Tokenizer:
     Raises :class:`TokenizerMissing` when the source has none, :class:`MiniGPTError` (one line: the file, what is
     unsupported, what to do) when it has one that cannot be read.
     """
-    source = Path(source)
+    source = Path(_follow_latest(source))
     if source.is_file() and source.suffix == ".gguf":
         vocab = read_vocab(source)
         if vocab is None:
@@ -377,6 +379,14 @@ def import_model(
 
 
 MODEL_FILE_SUFFIXES = (".gguf", ".bin")
+
+
+def _follow_latest(source: str | Path) -> str | Path:
+    """A run directory (no ``config.json``, a ``latest`` pointer) -> its latest checkpoint; anything else as is."""
+    path = Path(source)
+    if path.is_dir() and not (path / "config.json").is_file() and (path / "latest").is_file():
+        return resolve_checkpoint(path)
+    return source
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

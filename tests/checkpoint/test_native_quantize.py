@@ -114,3 +114,21 @@ def test_gguf_int8_load_never_holds_the_float_model(tmp_path):
     print(f"peak RSS growth: {growth['streamed'] / 2**20:.1f} MiB quantized while reading, "
           f"{growth['float_first'] / 2**20:.1f} MiB float first, for a {fp32_bytes / 2**20:.1f} MiB float32 model")
     assert growth["streamed"] < 0.6 * fp32_bytes < growth["float_first"]
+
+
+def test_load_model_and_tokenizer_follow_a_run_directorys_latest(tmp_path, tiny_data):
+    """`from minigpt import load_model; load_model("runs/x")` loads the run's latest checkpoint, as the CLI does."""
+    from minigpt.checkpoint.native import load_tokenizer
+    from minigpt.tokenizer.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_data)
+    model = random_model(dict(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=32), vocab_size=tok.vocab_size)
+    run = tmp_path / "run"
+    save_pretrained(model, run / "checkpoints" / "step_1", tok)
+    (run / "latest").write_text("checkpoints/step_1\n")
+    loaded = load_model(run)
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert load_tokenizer(run).encode("To be, or not") == tok.encode("To be, or not")
+    with pytest.raises(Exception, match="config.json is missing"):
+        load_model(tmp_path)  # a directory that is neither a model nor a run stays an error
