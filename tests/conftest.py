@@ -2,9 +2,14 @@
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# Compiled decode steps are saved for later processes (minigpt.infer.fastpath.aot): the tests, and the CLIs they
+# start, keep theirs in a directory of this session rather than in the user's cache.
+os.environ["MINIGPT_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="minigpt-compiled-")
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -75,10 +80,11 @@ CLI_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATA
            "TRANSFORMERS_OFFLINE": "1"}
 
 
-def run_cli(*args, stdin=None):
-    """Run ``python -m minigpt ARGS`` and return the completed process (text mode)."""
+def run_cli(*args, stdin=None, env=None):
+    """Run ``python -m minigpt ARGS`` (``env``: variables added to :data:`CLI_ENV`) and return the completed
+    process (text mode)."""
     return subprocess.run([sys.executable, "-m", "minigpt", *map(str, args)], capture_output=True, text=True,
-                          env=CLI_ENV, input=stdin, timeout=300)
+                          env={**CLI_ENV, **(env or {})}, input=stdin, timeout=300)
 
 
 def assert_one_line_error(proc, *fragments):

@@ -25,14 +25,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     template's end-of-turn token such as <|im_end|> or <|eot_id|>).
 
     Speed: the fast path (fused projections; --no-fast turns it off) runs by default; --compile compiles the
-    single-token step; --quantize int8 / int4 quantizes the weights at load time (a directory written by
+    single-token step once per machine and shape and saves it (in $MINIGPT_COMPILE_CACHE, default
+    ~/.cache/minigpt/compiled; "off" disables it), so later runs load it in about a second; --quantize int8 / int4 quantizes the weights at load time (a directory written by
     `minigpt quantize` is already quantized); --draft CKPT decodes speculatively with a small draft model sharing
     the tokenizer (--draft-k tokens per round; the output is distributed exactly as without it, and identical when
     greedy); --threads N sets torch's intra-op threads.
 
     --stats prints to stderr, in seconds and tokens/s to two decimals: load (model and tokenizer), compile (the
     compiled step's first calls), prefill (prompt tokens / time to first token), time to first token, and decode
-    (tokens after the first / their time, compilation excluded) -- the headline rate.
+    (tokens after the first / their time, compilation excluded) -- the headline rate -- and how the compiled
+    steps came (loaded, saved: compiled now and saved, jit: compiled in-process only).
     """
     import time
 
@@ -141,6 +143,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.draft:
             compile_s += getattr(draft, "compile_seconds", 0.0)
         line = format_stats(load_s, compile_s, sum(len(ids) for ids in encoded), first_s, n_tokens, seconds)
+        sources = dict(getattr(model, "compile_sources", {}))
+        if sources:  # how the compiled steps came: loaded from the compile cache, compiled and saved, or in-process
+            extra = f" | compiled steps: {', '.join(f'{n} {how}' for how, n in sorted(sources.items()))}" + extra
         print(line[:-1] + extra + "]", file=sys.stderr)
     return 0
 

@@ -120,7 +120,7 @@ def _add_data_and_run_options(p) -> None:
     p.add_argument("--log-interval", dest="log_interval", type=int)
     p.add_argument("--eval-interval", dest="eval_interval", type=int)
     p.add_argument("--device", help="auto, cpu, cuda, mps")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"])
     p.add_argument("--seed", type=int)
     p.add_argument("--config", help="YAML file of options (the names of SFTConfig / DPOConfig fields)")
     p.add_argument("--resume", action="store_true", help="continue from the latest good checkpoint in --out-dir")

@@ -78,7 +78,7 @@ def _common_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-time", dest="max_time", type=float, help="seconds of training")
     p.add_argument("--resume", action="store_true", help="continue from the latest good checkpoint in --out-dir")
     p.add_argument("--device", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"])
     p.add_argument("--seed", type=int)
     p.add_argument("--batch-size", dest="batch_size", type=int)
     p.add_argument("--lr", type=float)

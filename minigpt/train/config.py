@@ -42,7 +42,7 @@ class TrainerConfig:
     ckpt_interval: int = 500
     keep_checkpoints: int = 2
     device: str = "auto"
-    dtype: str = "float32"
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (bf16 where the device runs it natively)
     seed: int = 1337
     threads: Optional[int] = None
     compile: bool = False  # torch.compile the model; the compile time is part of the first step's time
@@ -60,8 +60,8 @@ class TrainerConfig:
         self._check_optimizer()
         if self.parallel not in ("none", "ddp", "fsdp"):
             raise ValueError(f"parallel must be none, ddp or fsdp, got {self.parallel!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES and self.dtype != "auto":
+            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("batch_size", "grad_accum", "eval_interval", "log_interval", "ckpt_interval", "max_bad_steps"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")

@@ -44,6 +44,18 @@ def native_bf16(device_type: str = "cpu") -> bool:
     return True
 
 
+def training_dtype(name: str, device_type: str) -> torch.dtype:
+    """The autocast dtype a recipe's ``dtype`` names. ``auto``: bf16 where :func:`native_bf16` says the device has
+    fast bf16 matrix kernels (a CUDA GPU from Ampere on, AVX-512-BF16 / AMX CPUs), else float32 -- so one recipe runs
+    at its best speed on either kind of CPU instead of emulating bf16 where it would gain nothing.
+    Raises ``KeyError`` for a name outside float32 / bfloat16 / float16 / auto."""
+    from minigpt.runtime import DTYPES
+
+    if name == "auto":
+        return BF16 if native_bf16(device_type) else torch.float32
+    return DTYPES[name]
+
+
 def compute_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
     """The dtype the matrix arithmetic of :func:`autocast` really runs in: float32 under bf16 emulation, else
     ``dtype``. MFU is quoted against this dtype's measured peak."""

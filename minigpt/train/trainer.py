@@ -66,11 +66,11 @@ from minigpt.errors import MiniGPTError
 from minigpt.eval.loss import loss_sum
 from minigpt.model.accounting import flops_per_token
 from minigpt.model.transformer import Transformer
-from minigpt.runtime import DTYPES, measure_peak_flops, memory_stats, pick_device
+from minigpt.runtime import measure_peak_flops, memory_stats, pick_device
 from minigpt.train import distributed as dist_mod
 from minigpt.train import state as train_state
 from minigpt.train.config import TrainerConfig
-from minigpt.train.mixed import autocast, compute_dtype
+from minigpt.train.mixed import autocast, compute_dtype, training_dtype
 from minigpt.train.optim import build_optimizer, set_lr
 from minigpt.train.optim import param_groups as param_groups  # re-exported: its home was here
 from minigpt.train.schedule import decay_progress, warmup_cosine_lr
@@ -236,7 +236,8 @@ class Trainer:
     def setup(self) -> None:
         """Data, model, optimizer, batch source, resume, config.yaml: everything before the first step."""
         cfg, info, out_dir = self.cfg, self.info, self.out_dir
-        self.device, self.dtype, self.main = info.device, DTYPES[cfg.dtype], info.is_main
+        self.device, self.main = info.device, info.is_main
+        self.dtype = training_dtype(cfg.dtype, info.device.type)
         self.say = print if self.main else (lambda *a, **k: None)
         self.parallel = cfg.parallel if cfg.parallel != "none" or not info.enabled else "ddp"
         device, dtype, main, say = self.device, self.dtype, self.main, self.say
@@ -309,7 +310,8 @@ class Trainer:
         say(yaml.safe_dump(resolved, sort_keys=False), end="", flush=True)
         say(f"parameters: {self.n_params:,} | global batch: {cfg.batch_size} x {cfg.grad_accum} accum x "
             f"{info.world_size} rank(s) x {self.seq_len} = {self.tokens_per_step:,} tokens/step | device: {device} "
-            f"{cfg.dtype} | threads/rank: {torch.get_num_threads()} | measured peak {self.peak / 1e9:.0f} GFLOP/s",
+            f"{str(self.dtype).removeprefix('torch.')}{' (auto)' if cfg.dtype == 'auto' else ''} | threads/rank: "
+            f"{torch.get_num_threads()} | measured peak {self.peak / 1e9:.0f} GFLOP/s",
             flush=True)
 
     def log(self, row: dict[str, Any]) -> None:

@@ -41,6 +41,23 @@ def test_quantize_int4_reports_tied_weights_once_and_generates_with_stats(tied_d
     assert line.startswith("[decode ")  # the headline rate: decode, compilation excluded
 
 
+@pytest.mark.parametrize("quantize", [[], ["--quantize", "int4"]], ids=["float32", "int4"])
+def test_generate_compile_saves_its_step_and_the_next_run_loads_it_and_prints_the_eager_text(tied_dir, tmp_path,
+                                                                                               quantize):
+    src, _ = tied_dir
+    args = ("generate", src, "--prompt", "the cat", "--max-new-tokens", 24, "--temperature", 0, "--stats", *quantize)
+    env = {"MINIGPT_COMPILE_CACHE": str(tmp_path / "compiled")}
+    eager, first, second = run_cli(*args, env=env), run_cli(*args, "--compile", env=env), run_cli(*args, "--compile",
+                                                                                                   env=env)
+    for proc in (eager, first, second):
+        assert proc.returncode == 0, proc.stderr
+    assert first.stdout == eager.stdout and second.stdout == eager.stdout
+    assert "compiled steps" not in eager.stderr
+    assert "compiled steps: 1 saved" in first.stderr.splitlines()[-1]
+    assert "compiled steps: 1 loaded" in second.stderr.splitlines()[-1]
+    assert len(list((tmp_path / "compiled").glob("*.step"))) == 1
+
+
 def test_quantize_bad_group_sizes_are_one_line_errors(tied_dir, tmp_path):
     src, _ = tied_dir
     assert_one_line_error(run_cli("quantize", src, tmp_path / "a", "--dtype", "int4", "--group-size", 12),

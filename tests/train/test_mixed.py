@@ -1,12 +1,14 @@
 """Emulated bf16 mixed precision (minigpt.train.mixed): the numerics of bf16 autocast with fp32 kernels -- a linear layer
 is exactly a bf16 GEMM with float32 accumulation, and a training step's loss and gradients are as close to
 torch.autocast's as two bf16 runs can be."""
+import pytest
 import torch
 import torch.nn.functional as F
 
 from minigpt.model.config import ModelConfig
 from minigpt.model.transformer import Transformer, lm_loss
-from minigpt.train.mixed import EmulatedBf16, autocast, compute_dtype, native_bf16
+from minigpt.train.config import TrainerConfig
+from minigpt.train.mixed import EmulatedBf16, autocast, compute_dtype, native_bf16, training_dtype
 
 torch.set_num_threads(1)
 
@@ -56,3 +58,16 @@ def test_policy_selection():
         assert compute_dtype("cpu", torch.bfloat16) == torch.float32
         assert isinstance(autocast("cpu", torch.bfloat16), EmulatedBf16)
     assert isinstance(autocast("cpu", torch.bfloat16, emulate=True), EmulatedBf16)
+
+
+def test_auto_dtype_is_bf16_only_where_the_cpu_runs_it_natively(monkeypatch):
+    import minigpt.train.mixed as mixed
+
+    for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(mixed, "native_bf16", lambda device_type="cpu", _n=native: _n)
+        assert training_dtype("auto", "cpu") == expected
+    assert training_dtype("float32", "cpu") == torch.float32
+    assert training_dtype("bfloat16", "cpu") == torch.bfloat16  # asked for by name: emulated if need be
+    TrainerConfig(max_steps=1, dtype="auto")
+    with pytest.raises(ValueError, match="dtype must be auto or one of"):
+        TrainerConfig(max_steps=1, dtype="fp8")

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -250,3 +251,20 @@ def test_not_enough_disk_space_is_a_clear_error_before_training(tiny_data, tmp_p
     with pytest.raises(MiniGPTError, match="not enough free disk space"):
         train(train_config(tiny_data, tmp_path / "run"))
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+
+RECIPES = Path(__file__).resolve().parents[2] / "minigpt" / "recipes"
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("*.yaml")))
+def test_every_bundled_recipe_is_a_valid_training_config(recipe):
+    """The YAML files `make demo` and the README run: every key known, every value in range, the model buildable."""
+    from minigpt.cli.train import read_config_file
+    from minigpt.model.config import preset
+    from minigpt.train.loop import TrainConfig
+
+    cfg = TrainConfig.from_dict(read_config_file(str(RECIPES / recipe)))
+    assert cfg.max_steps or cfg.max_time
+    model_cfg = preset(cfg.preset, vocab_size=1024, **cfg.model)
+    assert model_cfg.n_heads % model_cfg.n_kv_heads == 0

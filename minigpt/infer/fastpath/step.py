@@ -34,14 +34,17 @@ class Geometry:
     ffn: str
 
 
-def compile_step(fp, compile_mode: Optional[str]) -> Callable:
+def compile_step(fp, compile_mode: Optional[str], serializable: bool = False) -> Callable:
     """``torch.compile`` of :func:`static_step` bound to the FastPath ``fp``: ``(token, input_pos, pad, k_cache,
     v_cache) -> (logits, new_k, new_v)``, compiled on first call of each shape.
 
-    ``compile_mode``: None (Inductor's default) or a mode name such as ``"max-autotune-no-cudagraphs"``."""
+    ``compile_mode``: None (Inductor's default) or a mode name such as ``"max-autotune-no-cudagraphs"``.
+    ``serializable``: for ``.aot_compile`` (:mod:`minigpt.infer.fastpath.aot`): keep only the guards on global state
+    (grad mode and the like), the ones a saved step can carry; its caller pins the shapes by the file's key."""
     # size_asserts off: the wrapper would re-check the size and stride of every tensor of every layer on each call
     # (a third of a `tiny` step); the guards on the step's arguments already pin them, and the weights never change.
-    options = {"guard_filter_fn": _guards_on_inputs_only, "size_asserts": False}
+    guards = _global_state_guards_only if serializable else _guards_on_inputs_only
+    options = {"guard_filter_fn": guards, "size_asserts": False}
     if compile_mode is not None:  # mode and options are exclusive in torch.compile
         options.update(torch._inductor.list_mode_options(compile_mode))
     # A private copy of the step's code object: Dynamo caches compiled graphs per code object, so every FastPath
@@ -56,6 +59,11 @@ def _guards_on_inputs_only(entries) -> list[bool]:
     batch size or cache length must recompile) and drop those on ``fp`` -- the weights and constants a FastPath
     never rebinds. Checking ~100 weight guards per call cost ~0.3 ms, a tenth of a small model's step."""
     return [not entry.name.startswith("L['fp']") and entry.guard_type not in _DROPPED_GUARDS for entry in entries]
+
+
+def _global_state_guards_only(entries) -> list[bool]:
+    """Guard filter of an ahead-of-time step: the global-state guards (unnamed: grad mode, default device, ...)."""
+    return [entry.name == "" for entry in entries]
 
 
 # The pairwise no-aliasing check spans every tensor the step touches (weights included); the step's own arguments

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Optional
+from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +15,7 @@ from torch import nn
 
 from minigpt.checkpoint.adapter import load_merged
 from minigpt.checkpoint.native import load_model
+from minigpt.infer.fastpath.aot import cached_step
 from minigpt.infer.fastpath.kernels import (
     ACT_DTYPE,
     LayerWeights,
@@ -22,7 +24,7 @@ from minigpt.infer.fastpath.kernels import (
     int8_words,
     module_proj,
 )
-from minigpt.infer.fastpath.step import Geometry, compile_step
+from minigpt.infer.fastpath.step import Geometry
 from minigpt.infer.kv_cache import LayerKVCache
 from minigpt.model.attention import causal_mask, padded_causal_mask
 from minigpt.model.config import ModelConfig
@@ -65,13 +67,16 @@ class FastPath(nn.Module):
     attention_mask, positions=None, last_only=False) -> logits [batch, seq_len or 1, vocab_size]``. For one-token
     steps use :meth:`decode_step`, which runs the compiled graph when ``compile=True``.
 
-    ``compile_mode``: ``None`` (inductor's default) or e.g. ``"max-autotune-no-cudagraphs"``. Raises
+    ``compile_mode``: ``None`` (inductor's default) or e.g. ``"max-autotune-no-cudagraphs"``. ``compile_cache``:
+    where compiled steps are saved and loaded by later runs (:mod:`minigpt.infer.fastpath.aot`; None: its default
+    directory, False: compile in every process). Raises
     ``ValueError`` for an architecture the fast path does not compute (see :func:`supports`) only when
     ``strict``; otherwise such models run through their own forward.
     """
 
     def __init__(self, model: Transformer, fuse: bool = True, compile: bool = False,
-                 compile_mode: Optional[str] = None, strict: bool = False) -> None:
+                 compile_mode: Optional[str] = None, strict: bool = False,
+                 compile_cache: Optional[Path | bool] = None) -> None:
         super().__init__()
         model.eval()
         self.__dict__["model"] = model  # not a submodule: .to()/.float() on the wrapper must not re-materialise views
@@ -84,6 +89,12 @@ class FastPath(nn.Module):
         self.compiled = compile and self.reason is None and fuse
         self.compile_mode = compile_mode
         self.compile_seconds = 0.0  # wall time spent compiling (first call of each new shape), seconds
+        # The compiled steps per (batch, seq, cache length, grad mode, inference mode): loaded from or saved to
+        # ``compile_cache`` (:mod:`minigpt.infer.fastpath.aot`; None: its default directory, False: never) when
+        # ahead-of-time compilation works, else the one torch.compile'd ``_step_fn``.
+        self.compile_cache = compile_cache
+        self.compile_sources: dict[str, int] = {}  # "loaded" / "saved" / "jit": how many steps came each way
+        self._steps: dict[tuple, Callable] = {}
         self._step_fn = None
         self._compiled_shapes: set[tuple[int, int, int]] = set()  # (batch, seq, cache length)
         self._buffers_i64: dict[tuple, torch.Tensor] = {}
@@ -319,21 +330,28 @@ class FastPath(nn.Module):
             return self(tokens, pos, kv_cache)
         if pad is None:
             pad = self._buffer(("pad", batch), batch)
-        key = (batch, seq, kv_cache.max_seq_len)
-        if self._step_fn is None:
-            self._step_fn = compile_step(self, self.compile_mode)
-        first = key not in self._compiled_shapes
+        shape = (batch, seq, kv_cache.max_seq_len)
+        key = shape + (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        first = key not in self._steps
         t0 = time.perf_counter()
         input_pos = self._buffer(("pos",), 1).fill_(pos)  # reused: no allocation per step
         if not isinstance(kv_cache, LayerKVCache) or kv_cache.batch_size != batch:
             raise ValueError("the compiled decode step needs a cache from FastPath.new_kv_cache of the same batch size")
-        logits, new_k, new_v = self._step_fn(tokens, input_pos, pad, kv_cache.k, kv_cache.v)
+        args = (tokens, input_pos, pad, kv_cache.k, kv_cache.v)
+        step = self._steps.get(key)
+        if step is None:  # a saved ahead-of-time step per shape, else one torch.compile'd function for all
+            step, source = cached_step(self, args, self.compile_cache)
+            if source == "jit":
+                self._step_fn = step = self._step_fn or step
+            self._steps[key] = step
+            self.compile_sources[source] = self.compile_sources.get(source, 0) + 1
+        logits, new_k, new_v = step(*args)
         # The new columns are written here, outside the graph (see step.static_step): 2 x n_layers small copies.
         for cache_k, cache_v, k, v in zip(kv_cache.k, kv_cache.v, new_k, new_v):
             cache_k[:, :, pos:pos + seq].copy_(k)
             cache_v[:, :, pos:pos + seq].copy_(v)
         if first:
-            self._compiled_shapes.add(key)
+            self._compiled_shapes.add(shape)
             self.compile_seconds += time.perf_counter() - t0
         return logits
 

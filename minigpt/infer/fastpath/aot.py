@@ -1,0 +1,147 @@
+"""The compiled decode step, compiled once per machine and shape and loaded from disk by later runs.
+
+``torch.compile`` re-traces the step in every new process: even with Inductor's on-disk cache warm, Dynamo's trace,
+AOTAutograd and the cache lookups cost 5-8 s for the `small` preset, repeated by every ``minigpt generate
+--compile``. ``torch.compile(...).aot_compile(example_inputs)`` (torch >= 2.10, experimental; PyTorch's guide
+"Ahead-of-Time Compilation with torch.compile") runs the whole pipeline once and returns a function that can be
+saved and loaded back; loading it skips tracing and lowering (the C++ kernels it names come from Inductor's cache,
+compiled again only when that cache is gone).
+
+The artifact holds code, not weights: the step reads the weights from the :class:`~minigpt.infer.fastpath.FastPath`
+passed to it on every call, so one file serves every checkpoint with the same structure. It is keyed by everything
+the traced code depends on (:func:`step_key`): torch version, this package's model and fast-path sources, the CPU's
+instruction set, the step's shapes (batch, new tokens, cache length), the dtype and shape of every weight tensor,
+the compile mode, and the grad / inference mode of the call. The function runs with no guards on its arguments
+(they are unserializable or pinned by the key), so the key is what makes a loaded step safe to call.
+
+Where: ``$MINIGPT_COMPILE_CACHE`` (a directory; ``off`` disables the cache), else
+``$XDG_CACHE_HOME/minigpt/compiled`` or ``~/.cache/minigpt/compiled``, created private (0700). A file is loaded only
+when it is owned by this user and not writable by others -- loading an artifact runs its code, as Inductor's own
+cache does. An unreadable or stale file is compiled again and replaced; any failure of the experimental API falls
+back to the ordinary ``torch.compile`` with one warning.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+import warnings
+from functools import lru_cache, partial
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from minigpt.infer.fastpath.step import compile_step
+
+ENV = "MINIGPT_COMPILE_CACHE"
+_PACKAGE = Path(__file__).resolve().parents[2]  # minigpt/
+
+
+def cache_dir() -> Optional[Path]:
+    """The directory of saved steps, or None when ``$MINIGPT_COMPILE_CACHE`` is ``off`` (or ``0`` / ``none``)."""
+    value = os.environ.get(ENV)
+    if value is not None and value.strip().lower() in ("", "0", "off", "none", "false"):
+        return None
+    if value:
+        return Path(value).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "minigpt" / "compiled"
+
+
+@lru_cache(maxsize=1)
+def _source_digest() -> str:
+    """sha256 of the sources the step traces: minigpt/model and minigpt/infer/fastpath."""
+    h = hashlib.sha256()
+    for folder in ("model", "infer/fastpath"):
+        for path in sorted((_PACKAGE / folder).glob("*.py")):
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+@lru_cache(maxsize=1)
+def _isa() -> str:
+    """The CPU's model and flags (Linux ``/proc/cpuinfo``), else the platform: Inductor's C++ is built for them."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        picked = [ln.split(":", 1)[1].strip() for ln in lines if ln.startswith(("flags", "model name"))][:2]
+        return " | ".join(picked)
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+
+
+def _tensor_signature(t: Optional[torch.Tensor]) -> str:
+    return "-" if t is None else f"{t.dtype}{tuple(t.shape)}{t.device.type}"
+
+
+def step_key(fp, batch: int, seq: int, cache_len: int) -> str:
+    """The file name (hex sha256) of the step of FastPath ``fp`` for ``[batch, seq]`` new tokens and a cache of
+    ``cache_len`` columns, under the current grad / inference mode."""
+    parts: list[Any] = [torch.__version__, sys.version_info[:2], _source_digest(), _isa(), fp.compile_mode,
+                        repr(fp.geometry), batch, seq, cache_len, torch.is_grad_enabled(),
+                        torch.is_inference_mode_enabled(), torch.get_num_threads()]
+    projections = [fp.head] + [q for lw in fp.layers for q in (lw.wqkv, lw.wo, lw.w13, lw.w2)]
+    parts += [_tensor_signature(t) for t in (fp.embedding, fp.final_norm, fp.cos, fp.sin_signed)]
+    parts += [(fp.final_eps,) + tuple((lw.attn_norm_eps, lw.ffn_norm_eps, _tensor_signature(lw.attn_norm))
+                                      for lw in fp.layers)]
+    parts += ["|".join(_tensor_signature(getattr(p, name)) for name in p.__slots__) for p in projections]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:40]
+
+
+def _trusted(path: Path) -> bool:
+    """Owned by this user and writable by nobody else (POSIX; elsewhere the directory's permissions decide)."""
+    if not hasattr(os, "getuid"):
+        return True
+    st = path.stat()
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def load_step(path: Path) -> Callable:
+    """The saved step at ``path`` (a function of ``(fp, token, input_pos, pad, k_cache, v_cache)``). Raises whatever
+    torch raises for an unreadable file."""
+    import torch._inductor.config as inductor_config
+    from torch._guards import TracingContext, tracing
+
+    # Unpickling the artifact's guard state installs guards, which needs a tracing context (torch 2.13); they go
+    # into this throwaway one. vec_isa_ok: Inductor would otherwise test every SIMD instruction set again by
+    # building and dlopen-ing a probe library in subprocesses (~1-2 s); the file's key names this CPU's flags and
+    # torch version, and the process that wrote it passed those tests.
+    with open(path, "rb") as f, tracing(TracingContext(None)), inductor_config.patch({"cpp.vec_isa_ok": True}):
+        return torch.compiler.load_compiled_function(f)
+
+
+def cached_step(fp, example_args: tuple, directory: Optional[Path | bool] = None) -> tuple[Callable, str]:
+    """The compiled step of FastPath ``fp`` for the shapes of ``example_args`` (``token``, ``input_pos``, ``pad``,
+    ``k_cache``, ``v_cache``, as :func:`~minigpt.infer.fastpath.step.static_step` takes them), bound to ``fp``,
+    and where it came from: ``"loaded"`` (a saved step), ``"saved"`` (compiled ahead of time now and saved),
+    ``"jit"`` (the ordinary ``torch.compile``: cache off, or the AOT path failed). Never raises for a bad cache.
+    ``directory``: None = :func:`cache_dir`, False = no cache (``"jit"``)."""
+    directory = cache_dir() if directory is None else (None if directory is False else Path(directory))
+    token, _, _, k_cache, _ = example_args
+    if directory is None:
+        return compile_step(fp, fp.compile_mode), "jit"
+    path = directory / f"{step_key(fp, token.shape[0], token.shape[1], k_cache[0].shape[2])}.step"
+    if path.is_file():
+        try:
+            if not _trusted(path):
+                raise PermissionError("owned by another user or writable by others")
+            return partial(load_step(path), fp), "loaded"
+        except Exception as e:  # any unreadable artifact: compile again and replace it
+            _warn(f"ignoring the saved compiled step {path} ({type(e).__name__}: {str(e)[:200]}); compiling it again")
+    try:
+        compiled = compile_step(fp, fp.compile_mode, serializable=True).aot_compile((example_args, {}))
+    except Exception as e:  # the API is experimental: fall back to the ordinary compile
+        _warn(f"ahead-of-time compilation failed ({type(e).__name__}: {str(e)[:200]}); using torch.compile")
+        return compile_step(fp, fp.compile_mode), "jit"
+    try:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        compiled.save_compiled_function(str(path))  # torch writes it atomically (temporary file + rename)
+    except Exception as e:  # a read-only or full disk costs the next run a compile, not this one
+        _warn(f"could not save the compiled step to {path} ({type(e).__name__}: {e})")
+    return partial(compiled, fp), "saved"

@@ -1,0 +1,89 @@
+"""Ahead-of-time compiled decode steps saved on disk (minigpt.infer.fastpath.aot): a step compiled by one model and
+loaded by the next gives the tokens of the eager fast path, holds no weights, and a bad or foreign file is compiled
+again rather than trusted."""
+from functools import partial
+
+import pytest
+import torch
+from conftest import random_model
+
+from minigpt.infer import fastpath
+from minigpt.infer.fastpath import FastPath, aot
+from minigpt.infer.generate import generate_tokens
+from minigpt.infer.sampling import SamplingParams
+
+torch.set_num_threads(1)
+
+SHAPE = dict(vocab_size=61, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, multiple_of=16)
+make = partial(random_model, SHAPE, noise=0.05)
+GREEDY = SamplingParams(max_tokens=32, temperature=0)
+PROMPT = [3, 14, 15, 9, 26]
+
+
+def greedy_tokens(model, **kw) -> list[int]:
+    return list(generate_tokens(FastPath(model, **kw), PROMPT, GREEDY))
+
+
+def forbid_compiling(monkeypatch):
+    def no_compile(*a, **k):
+        raise AssertionError("compiled again instead of loading the saved step")
+
+    monkeypatch.setattr(aot, "compile_step", no_compile)
+
+
+def test_saved_step_is_loaded_by_the_next_model_and_gives_the_eager_tokens(tmp_path, monkeypatch):
+    eager = greedy_tokens(make())
+    first = FastPath(make(), compile=True, compile_cache=tmp_path)
+    assert list(generate_tokens(first, PROMPT, GREEDY)) == eager
+    assert first.compile_sources == {"saved": 1}
+    assert len(list(tmp_path.glob("*.step"))) == 1
+
+    forbid_compiling(monkeypatch)
+    again = FastPath(make(), compile=True, compile_cache=tmp_path)
+    assert list(generate_tokens(again, PROMPT, GREEDY)) == eager
+    assert again.compile_sources == {"loaded": 1}
+    # The file holds code, not weights: other weights of the same shapes load it and get their own tokens.
+    other = make(seed=1)
+    other_eager = greedy_tokens(make(seed=1))
+    assert other_eager != eager
+    loaded = FastPath(other, compile=True, compile_cache=tmp_path)
+    assert list(generate_tokens(loaded, PROMPT, GREEDY)) == other_eager
+    assert loaded.compile_sources == {"loaded": 1}
+
+
+def test_another_shape_precision_or_mode_gets_its_own_file():
+    fp = FastPath(make(), compile=True)
+    int8 = fastpath.prepare(make(), compile=True, quantize="int8")
+    keys = {aot.step_key(fp, 1, 1, 64), aot.step_key(int8, 1, 1, 64), aot.step_key(fp, 2, 1, 64),
+            aot.step_key(fp, 1, 4, 64), aot.step_key(fp, 1, 1, 128)}
+    with torch.inference_mode():
+        keys.add(aot.step_key(fp, 1, 1, 64))
+    assert len(keys) == 6
+    assert aot.step_key(FastPath(make(seed=3), compile=True), 1, 1, 64) == aot.step_key(fp, 1, 1, 64)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "foreign"])
+def test_a_corrupt_or_untrusted_file_is_compiled_again(tmp_path, damage):
+    eager = greedy_tokens(make())
+    first = FastPath(make(), compile=True, compile_cache=tmp_path)
+    assert list(generate_tokens(first, PROMPT, GREEDY)) == eager
+    (path,) = tmp_path.glob("*.step")
+    if damage == "garbage":
+        path.write_bytes(b"\x80\x04not a pickle")
+    else:
+        path.chmod(0o666)  # writable by anyone: never loaded
+    with pytest.warns(RuntimeWarning, match="ignoring the saved compiled step"):
+        again = FastPath(make(), compile=True, compile_cache=tmp_path)
+        assert list(generate_tokens(again, PROMPT, GREEDY)) == eager
+    assert again.compile_sources == {"saved": 1}
+    assert path.stat().st_mode & 0o022 == 0  # replaced by a private file
+
+
+def test_cache_off_compiles_in_process(tmp_path, monkeypatch):
+    monkeypatch.setenv(aot.ENV, "off")
+    assert aot.cache_dir() is None
+    fp = FastPath(make(), compile=True)
+    assert list(generate_tokens(fp, PROMPT, GREEDY)) == greedy_tokens(make())
+    assert fp.compile_sources == {"jit": 1}
+    monkeypatch.setenv(aot.ENV, str(tmp_path / "here"))
+    assert aot.cache_dir() == tmp_path / "here"
