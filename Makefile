@@ -24,7 +24,7 @@ install-dev: $(VENV)/.installed-dev
 
 # Tiny Shakespeare: byte-level BPE, `tiny` preset, 10 minutes of CPU training, then samples.
 demo: install
-	$(VENV)/bin/minigpt prepare --data shakespeare --out-dir data/shakespeare --vocab-size 2048
+	$(VENV)/bin/minigpt prepare --data shakespeare --out-dir data/shakespeare-1024 --vocab-size 1024
 	$(VENV)/bin/minigpt train --config minigpt/recipes/tiny-shakespeare.yaml
 	$(VENV)/bin/minigpt generate runs/tiny-shakespeare --prompt "ROMEO:" --max-new-tokens 120 --temperature 0.8 --top-k 50 --seed 1 --echo
 	$(VENV)/bin/minigpt generate runs/tiny-shakespeare --prompt "JULIET:" --max-new-tokens 120 --temperature 0.8 --top-k 50 --seed 2 --echo
