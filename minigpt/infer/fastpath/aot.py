@@ -131,7 +131,7 @@ def cached_step(fp, example_args: tuple, directory: Optional[Path | bool] = None
         try:
             if not _trusted(path):
                 raise PermissionError("owned by another user or writable by others")
-            return partial(load_step(path), fp), "loaded"
+            return _bound(load_step(path), fp), "loaded"
         except Exception as e:  # any unreadable artifact: compile again and replace it
             _warn(f"ignoring the saved compiled step {path} ({type(e).__name__}: {str(e)[:200]}); compiling it again")
     try:
@@ -144,4 +144,12 @@ def cached_step(fp, example_args: tuple, directory: Optional[Path | bool] = None
         compiled.save_compiled_function(str(path))  # torch writes it atomically (temporary file + rename)
     except Exception as e:  # a read-only or full disk costs the next run a compile, not this one
         _warn(f"could not save the compiled step to {path} ({type(e).__name__}: {e})")
-    return partial(compiled, fp), "saved"
+    return _bound(compiled, fp), "saved"
+
+
+def _bound(compiled, fp) -> Callable:
+    """``compiled`` with ``fp`` as its first argument, without its per-call guard check: binding the call's
+    arguments to the signature and running the global-state guards would cost every token tens of microseconds,
+    and the file's key already pins the grad / inference mode and the shapes (FastPath keys its steps the same)."""
+    compiled.disable_guard_check()
+    return partial(compiled, fp)
