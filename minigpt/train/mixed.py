@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from minigpt.runtime import DTYPES
+
 BF16 = torch.bfloat16
 
 
@@ -49,8 +51,6 @@ def training_dtype(name: str, device_type: str) -> torch.dtype:
     fast bf16 matrix kernels (a CUDA GPU from Ampere on, AVX-512-BF16 / AMX CPUs), else float32 -- so one recipe runs
     at its best speed on either kind of CPU instead of emulating bf16 where it would gain nothing.
     Raises ``KeyError`` for a name outside float32 / bfloat16 / float16 / auto."""
-    from minigpt.runtime import DTYPES
-
     if name == "auto":
         return BF16 if native_bf16(device_type) else torch.float32
     return DTYPES[name]

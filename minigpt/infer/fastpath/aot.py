@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+from torch._guards import TracingContext, tracing
 
 from minigpt.infer.fastpath.step import compile_step
 
@@ -105,14 +106,12 @@ def _warn(message: str) -> None:
 def load_step(path: Path) -> Callable:
     """The saved step at ``path`` (a function of ``(fp, token, input_pos, pad, k_cache, v_cache)``). Raises whatever
     torch raises for an unreadable file."""
-    import torch._inductor.config as inductor_config
-    from torch._guards import TracingContext, tracing
-
     # Unpickling the artifact's guard state installs guards, which needs a tracing context (torch 2.13); they go
     # into this throwaway one. vec_isa_ok: Inductor would otherwise test every SIMD instruction set again by
     # building and dlopen-ing a probe library in subprocesses (~1-2 s); the file's key names this CPU's flags and
     # torch version, and the process that wrote it passed those tests.
-    with open(path, "rb") as f, tracing(TracingContext(None)), inductor_config.patch({"cpp.vec_isa_ok": True}):
+    # (torch._inductor is one of torch's lazily imported modules: the attribute loads it here, not at start-up.)
+    with open(path, "rb") as f, tracing(TracingContext(None)), torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
         return torch.compiler.load_compiled_function(f)
 
 
