@@ -96,7 +96,6 @@ class FastPath(nn.Module):
         self.compile_sources: dict[str, int] = {}  # "loaded" / "saved" / "jit": how many steps came each way
         self._steps: dict[tuple, Callable] = {}
         self._step_fn = None
-        self._compiled_shapes: set[tuple[int, int, int]] = set()  # (batch, seq, cache length)
         self._buffers_i64: dict[tuple, torch.Tensor] = {}
         if self.reason is None:
             self._build(fuse)
@@ -183,7 +182,7 @@ class FastPath(nn.Module):
         self.model.ensure_positions(end)
         self.cos = self.model.rope_cos.to(ACT_DTYPE)
         self.sin_signed = signed_sine(self.model.rope_sin).to(ACT_DTYPE)
-        self._step_fn, self._compiled_shapes = None, set()
+        self._step_fn, self._steps = None, {}
 
     @property
     def act_dtype(self) -> torch.dtype:
@@ -351,9 +350,13 @@ class FastPath(nn.Module):
             cache_k[:, :, pos:pos + seq].copy_(k)
             cache_v[:, :, pos:pos + seq].copy_(v)
         if first:
-            self._compiled_shapes.add(shape)
             self.compile_seconds += time.perf_counter() - t0
         return logits
+
+    @property
+    def _compiled_shapes(self) -> set[tuple[int, int, int]]:
+        """The (batch, seq, cache length) shapes compiled so far (derived from the steps' keys)."""
+        return {key[:3] for key in self._steps}
 
     def _buffer(self, key: tuple, size: int) -> torch.Tensor:
         """A persistent zeroed int64 tensor of ``size`` elements per ``key`` (step inputs reused across steps)."""
