@@ -218,3 +218,30 @@ def test_fast_path_grows_the_lazy_rope_tables(monkeypatch, compile):
         step = fast.decode_step(tokens[:, 39:40], 39, cache)
     torch.testing.assert_close(got, ref[:, :39], atol=1e-5, rtol=0)
     torch.testing.assert_close(step, ref[:, 39], atol=1e-5, rtol=0)
+
+
+def test_compiled_steps_stay_right_when_a_longer_cache_grows_the_rope_tables(monkeypatch):
+    """A compiled step made while the tables held 64 rows, then a 128-position cache that grows them: the steps
+    compiled before the growth are dropped (they captured the old tables), and decoding on the old cache length and
+    on the new one both give the eager model's logits, at positions past the old tables too."""
+    from minigpt.model import transformer
+
+    monkeypatch.setattr(transformer, "EAGER_POSITIONS", 16)
+    model = make(max_seq_len=128)
+    tokens = torch.randint(0, VOCAB, (1, 120), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        fast = FastPath(model, compile=True)
+        short = fast.new_kv_cache(1, 8)  # bucketed to 64 positions: the tables grow to 64
+        fast(tokens[:, :20], 0, short)
+        first = fast.decode_step(tokens[:, 20:21], 20, short)
+        assert fast._compiled_shapes == {(1, 1, 64)} and fast.cos.shape[0] == 64
+        long = fast.new_kv_cache(1, 100)  # 128 positions: the tables grow, the old step goes
+        assert fast.cos.shape[0] == 128 and fast._compiled_shapes == set()
+        fast(tokens[:, :110], 0, long)
+        late = fast.decode_step(tokens[:, 110:111], 110, long)
+        again = fast.decode_step(tokens[:, 21:22], 21, short)
+        assert fast._compiled_shapes == {(1, 1, 64), (1, 1, 128)}
+        ref = model(tokens)
+    torch.testing.assert_close(first, ref[:, 20], atol=1e-5, rtol=0)
+    torch.testing.assert_close(late, ref[:, 110], atol=1e-5, rtol=0)
+    torch.testing.assert_close(again, ref[:, 21], atol=1e-5, rtol=0)
