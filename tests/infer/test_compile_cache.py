@@ -87,3 +87,31 @@ def test_cache_off_compiles_in_process(tmp_path, monkeypatch):
     assert fp.compile_sources == {"jit": 1}
     monkeypatch.setenv(aot.ENV, str(tmp_path / "here"))
     assert aot.cache_dir() == tmp_path / "here"
+
+
+def test_a_failed_ahead_of_time_compile_is_not_retried_for_the_next_shape(tmp_path, monkeypatch):
+    """The AOT API is experimental: when it fails, the FastPath warns once and every shape, this one and the next,
+    runs through one ordinary torch.compile'd function that gives the eager tokens."""
+    real = aot.compile_step
+    tries = []
+
+    class Failing:
+        def aot_compile(self, *a, **k):
+            tries.append(1)
+            raise RuntimeError("unsupported here")
+
+    monkeypatch.setattr(aot, "compile_step", lambda fp, mode, serializable=False:
+                        Failing() if serializable else real(fp, mode))
+    fp = FastPath(make(), compile=True, compile_cache=tmp_path)
+    with pytest.warns(RuntimeWarning, match="ahead-of-time compilation failed") as caught:
+        assert list(generate_tokens(fp, PROMPT, GREEDY)) == greedy_tokens(make())
+        with torch.inference_mode():
+            cache = fp.new_kv_cache(2, 8)
+            fp(torch.tensor([PROMPT, PROMPT]), 0, cache)
+            two = fp.decode_step(torch.tensor([[4], [4]]), len(PROMPT), cache)
+    assert len(tries) == 1 and sum("ahead-of-time" in str(w.message) for w in caught) == 1
+    assert fp.compile_sources == {"jit": 2} and len(fp._compiled_shapes) == 2
+    with torch.inference_mode():
+        want = make()(torch.tensor([PROMPT + [4]]))[:, -1]
+    torch.testing.assert_close(two, want.expand(2, -1), atol=1e-4, rtol=0)
+    assert not list(tmp_path.glob("*.step"))

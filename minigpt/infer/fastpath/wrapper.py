@@ -339,9 +339,12 @@ class FastPath(nn.Module):
         args = (tokens, input_pos, pad, kv_cache.k, kv_cache.v)
         step = self._steps.get(key)
         if step is None:  # a saved ahead-of-time step per shape, else one torch.compile'd function for all
-            step, source = cached_step(self, args, self.compile_cache)
-            if source == "jit":
-                self._step_fn = step = self._step_fn or step
+            if self._step_fn is not None:  # the cache is off or ahead-of-time compiling failed: not tried again
+                step, source = self._step_fn, "jit"
+            else:
+                step, source = cached_step(self, args, self.compile_cache)
+                if source == "jit":
+                    self._step_fn = step
             self._steps[key] = step
             self.compile_sources[source] = self.compile_sources.get(source, 0) + 1
         logits, new_k, new_v = step(*args)
