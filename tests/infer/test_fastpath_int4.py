@@ -94,10 +94,28 @@ def test_int4_logits_within_tolerance_on_stories260k(shared_data):
 
 @pytest.mark.xfail(strict=True, reason="measured: int4 (Q4_0 groups of 32) greedy from BOS equals fp32 for the "
                    "first 27 tokens and differs at token 27 (0-based), where fp32's top-2 logits are 0.22 apart "
-                   "(13.06 vs 12.84); the 260K-parameter model is too narrow (dim 64) for 4-bit groups there")
+                   "(13.06 vs 12.84); the 260K-parameter model is too narrow (dim 64) for 4-bit groups there. "
+                   "llama.cpp's own Q4_0 of this model (llama-quantize from its F32 GGUF; llama-simple, greedy, "
+                   "from BOS) writes the same 32 tokens as ours: '...play outside in the sun. One day' where both "
+                   "F32 runs write '...in the park. One'")
 def test_int4_greedy_equals_fp32_for_32_tokens_on_stories260k(shared_data):
     model, _ = _stories(shared_data)
     fp32 = list(generate_tokens(prepare(copy.deepcopy(model)), [1], GREEDY_32))
     int4 = list(generate_tokens(prepare(copy.deepcopy(model), quantize="int4", compile=False), [1], GREEDY_32))
     assert int4[:27] == fp32[:27]  # the part that holds (see the xfail reason)
     assert int4 == fp32
+
+
+def test_int4_in_groups_of_8_is_greedy_identical_to_fp32_for_32_tokens_on_stories260k(shared_data):
+    """The same int4 code with groups of 8 (`minigpt quantize --dtype int4 --group-size 8`: a float16 scale per 8
+    weights, 6 bits a weight instead of Q4_0's 4.5) keeps stories260K's greedy text for 32 tokens. Measured on this
+    model (relative logit error, first differing token): groups of 32 0.138 / 27, 16 0.106 / 20, 8 0.099 / none --
+    the first difference is not monotone in the error, so this is one measured setting, not a rule."""
+    model, ref = _stories(shared_data)
+    fp32 = list(generate_tokens(prepare(copy.deepcopy(model)), [1], GREEDY_32))
+    q4 = quantize_model(copy.deepcopy(model), METHOD_INT4, group_size=8)
+    assert q4.layers[0].attention.wq.group_size == 8
+    fast = prepare(q4, quantize="int4", compile=False)
+    assert fast.layers[0].wqkv.group_size == 8
+    int4 = list(generate_tokens(fast, [1], GREEDY_32))
+    assert int4 == fp32 == ref["greedy"]["generated_ids"][:32]
