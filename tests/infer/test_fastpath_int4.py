@@ -49,7 +49,7 @@ def test_compiled_int4_decode_equals_eager_int4():
         ref = quantize_model(make(), METHOD_INT4)(tokens)[:, 8:]
         outs = []
         for compiled in (False, True):
-            fast = prepare(make(), quantize="int4", compile=compiled)
+            fast = prepare(make(), quantize="int4", compile=compiled, woq_kernel="words")
             cache = fast.new_kv_cache(2, 16)
             fast(tokens[:, :8], 0, cache)
             outs.append(torch.stack([fast.decode_step(tokens[:, i:i + 1], i, cache) for i in range(8, 16)], 1))

@@ -33,7 +33,9 @@ kernels per token:
     vectorised loops: ~2x the bandwidth of MKL's ``gemv`` on one core, bf16 converted in the loop, int8 read as
     float32 words and unpacked with shifts (:func:`int8_words`; int4's packed bytes likewise, 8 nibbles a word, the
     group scales applied once per word); attention likewise, fused with the mask and the
-    softmax.
+    softmax. Exception: on AVX-512 CPUs int8 and int4 weights go to ATen's weight-only kernels instead, on bf16
+    activations (:func:`~minigpt.infer.fastpath.kernels.aten_woq_layout`; ``woq_kernel="words"`` or
+    ``MINIGPT_WOQ_KERNEL=words`` keeps the loops).
   - each layer is one ``torch.compiler.nested_compile_region`` (:func:`~minigpt.infer.fastpath.step.step_layer`), compiled once and reused by
     every layer, and the per-layer caches are separate graph inputs, so compile time does not grow with depth
     (`small`: ~10 s cold, against ~85 s for the unrolled graph). The graph only reads the cache: it returns each

@@ -32,6 +32,7 @@ class Geometry:
     head_dim: int
     scale: float
     ffn: str
+    group_size: int = 0  # of the int4 projections read by ATen's kernels (kernels.aten_woq_layout); 0: none
 
 
 def compile_step(fp, compile_mode: Optional[str], serializable: bool = False) -> Callable:
@@ -128,7 +129,8 @@ def step_layer(h, k_cache, v_cache, key_valid, cos, sin, attn_norm, wqkv, wqkv_s
 
     def attention(x):
         batch, seq = x.shape[0], x.shape[1]
-        qkv = decode_linear(Proj(wqkv, wqkv_scale, wqkv_bias, wqkv_words, wqkv_ws), x).view(batch, seq, nh + 2 * nkv, hd)
+        qkv = decode_linear(Proj(wqkv, wqkv_scale, wqkv_bias, wqkv_words, wqkv_ws), x, g.group_size)
+        qkv = qkv.view(batch, seq, nh + 2 * nkv, hd)
         qk = rope_rotate(qkv[:, :, :nh + nkv], cos, sin)
         q = qk[:, :, :nh]
         k = qk[:, :, nh:].transpose(1, 2)  # [batch, n_kv_heads, seq, head_dim]
@@ -150,11 +152,12 @@ def step_layer(h, k_cache, v_cache, key_valid, cos, sin, attn_norm, wqkv, wqkv_s
         out = ((probs[..., :t, None] * v_cache[:, :, None, None, :, :]).sum(-2)
                + (probs[..., t:, None] * v[:, :, None, None, :, :]).sum(-2))  # [batch, n_kv, n_rep, seq, head_dim]
         out = out.permute(0, 3, 1, 2, 4).reshape(batch, seq, nh * hd)
-        return decode_linear(Proj(wo, wo_scale, wo_bias, wo_words, wo_ws), out)
+        return decode_linear(Proj(wo, wo_scale, wo_bias, wo_words, wo_ws), out, g.group_size)
 
     def feed_forward(x):
-        hidden = ffn_hidden(g.ffn, decode_linear(Proj(w13, w13_scale, w13_bias, w13_words, w13_ws), x))
-        return decode_linear(Proj(w2, w2_scale, w2_bias, w2_words, w2_ws), hidden)
+        hidden = ffn_hidden(g.ffn, decode_linear(Proj(w13, w13_scale, w13_bias, w13_words, w13_ws), x,
+                                                 g.group_size))
+        return decode_linear(Proj(w2, w2_scale, w2_bias, w2_words, w2_ws), hidden, g.group_size)
 
     h = pre_norm_residual(h, lambda x: rms_norm(x, attn_norm, attn_eps), attention,
                           lambda x: rms_norm(x, ffn_norm, ffn_eps), feed_forward)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -19,6 +20,8 @@ from minigpt.infer.fastpath.aot import cached_step
 from minigpt.infer.fastpath.kernels import (
     ACT_DTYPE,
     LayerWeights,
+    aten_woq_layout,
+    aten_woq_wanted,
     fuse_projections,
     int4_word_scales,
     int8_words,
@@ -76,8 +79,12 @@ class FastPath(nn.Module):
 
     def __init__(self, model: Transformer, fuse: bool = True, compile: bool = False,
                  compile_mode: Optional[str] = None, strict: bool = False,
-                 compile_cache: Optional[Path | bool] = None) -> None:
+                 compile_cache: Optional[Path | bool] = None, woq_kernel: Optional[str] = None) -> None:
         super().__init__()
+        # int8/int4 weights in the compiled step: kernels.WOQ_KERNELS; $MINIGPT_WOQ_KERNEL, else "auto"
+        self.woq_kernel = woq_kernel or os.environ.get("MINIGPT_WOQ_KERNEL") or "auto"
+        aten_woq_wanted(self.woq_kernel)  # a bad name fails here, not at the first step
+        self.woq_group_size = 0  # int4 group size of the projections given to ATen's kernels (Geometry)
         model.eval()
         self.__dict__["model"] = model  # not a submodule: .to()/.float() on the wrapper must not re-materialise views
         self.config = model.config
@@ -127,15 +134,24 @@ class FastPath(nn.Module):
         # The compiled step takes each projection as one tensor set: layers of mixed kinds that could not be fused
         # (fuse_projections) run eagerly.
         self.compiled = self.compiled and not any(isinstance(p, list) for p in projections)
-        if self.compiled:  # int8 and int4 weights are read by the compiled step as float32 words (same memory)
+        if self.compiled:
+            # int8 and int4 weights: ATen's weight-only kernels where wanted and they take the shape, else read by
+            # the compiled step as float32 words (same memory)
+            aten = aten_woq_wanted(self.woq_kernel)
+            # The step passes one int4 group size to ATen's kernel (a constant): with several, int4 stays on words.
+            aten_int4 = aten and len({p.group_size for p in projections} - {0}) == 1
             for p in projections:
-                p.words = int8_words(p.weight)
-                p.word_scale = int4_word_scales(p)
+                int4 = p.group_size > 0
+                if int4 and aten_int4 and aten_woq_layout(p):
+                    self.woq_group_size = p.group_size
+                elif int4 or not (aten and aten_woq_layout(p)):
+                    p.words = int8_words(p.weight)
+                    p.word_scale = int4_word_scales(p)
         # RoPE tables in the activation dtype, the sine in the signed form rope_rotate takes (signed once, here).
         self.cos = m.rope_cos.to(ACT_DTYPE)
         self.sin_signed = signed_sine(m.rope_sin).to(ACT_DTYPE)
         self.scale = 1.0 / math.sqrt(c.head_dim)
-        self.geometry = Geometry(c.n_heads, c.n_kv_heads, c.head_dim, self.scale, c.ffn)
+        self.geometry = Geometry(c.n_heads, c.n_kv_heads, c.head_dim, self.scale, c.ffn, self.woq_group_size)
 
     @property
     def device(self) -> torch.device:
@@ -372,16 +388,18 @@ class FastPath(nn.Module):
 
 
 def prepare(model: Transformer, dtype: Optional[torch.dtype] = None, quantize: Optional[str] = None,
-            fuse: bool = True, compile: bool = False, compile_mode: Optional[str] = None) -> FastPath:
+            fuse: bool = True, compile: bool = False, compile_mode: Optional[str] = None,
+            woq_kernel: Optional[str] = None) -> FastPath:
     """Convert ``model`` in place for inference and wrap it: cast to ``dtype`` (bf16 weights are an option; the
     norms' statistics and the softmax stay float32), quantize (``"int8"``: weight-only per-channel; ``"int4"``:
     weight-only in groups of 32, llama.cpp's ``Q4_0``; see :mod:`minigpt.model.quant`; skipped when the model is
-    already quantized), fuse, and optionally compile the decode step. Raises ``ValueError`` for an unknown
-    ``quantize``."""
+    already quantized), fuse, and optionally compile the decode step (``woq_kernel``: which kernels it uses for
+    int8/int4 weights, :data:`~minigpt.infer.fastpath.kernels.WOQ_KERNELS`). Raises ``ValueError`` for an unknown
+    ``quantize`` or ``woq_kernel``."""
     if dtype is not None and not is_quantized(model):
         model.to(dtype=dtype)
     quantize_in_place(model, quantize)
-    return FastPath(model, fuse=fuse, compile=compile, compile_mode=compile_mode)
+    return FastPath(model, fuse=fuse, compile=compile, compile_mode=compile_mode, woq_kernel=woq_kernel)
 
 
 def quantize_in_place(model: Transformer, quantize: Optional[str]) -> Transformer:
