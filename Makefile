@@ -51,7 +51,7 @@ lint: install-dev
 
 # pytest exits 5 when it collects no test: make fails on it like on any other non-zero status.
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-slow: install-dev
 	$(PY) -m pytest -q -m slow

@@ -27,6 +27,7 @@ def test_parameter_matching_equalises_non_embedding_or_active_counts():
     assert count_parameters(untied)["total"] == target["total"] + 2048 * base.dim
 
 
+@pytest.mark.slow  # a dozen short training runs, ~16 s (make test-slow, its own CI stage)
 def test_ablate_writes_a_report_with_intervals_claims_and_plots(tmp_path, monkeypatch):
     """Two seeds per variant, two runs at a time (1 thread each), the Muon comparison: each variant's runs, the
     per-seed aggregate, the interval columns and verdicts of the report, and reuse of finished runs."""

@@ -396,6 +396,7 @@ def run_fuzz(kind: str, strategy, sweep: list, body) -> dict:
     return seen
 
 
+@pytest.mark.slow  # hundreds of mutated files, ~12 s (make test-slow, its own CI stage)
 def test_fuzz_gguf_headers(loader, originals, cases):
     data = (originals / "model.gguf").read_bytes()
     fields, header_end = gguf_fields(data)

@@ -66,6 +66,7 @@ def test_two_ranks_match_one_process(tiny_data, tmp_path, single, parallel):
     assert json.loads(json.dumps(rows[0]))["tokens"] == 8 * 32  # global tokens per step
 
 
+@pytest.mark.slow  # two child processes and a resume, ~17 s (make test-slow, its own CI stage)
 def test_fsdp_checkpoint_resumes_in_one_process_and_back(tiny_data, tmp_path, single):
     # 2 FSDP ranks write sharded checkpoints at steps 3 and 5 ...
     sharded = tmp_path / "sharded"

@@ -198,6 +198,7 @@ def _train_cmd(tiny_data, out_dir, *extra):
             "--set", "eval_windows=4", "--set", "eval_interval=10", *extra]
 
 
+@pytest.mark.slow  # a child process killed and resumed, ~10 s (make test-slow, its own CI stage)
 def test_sigkill_then_resume_is_bit_exact(tiny_data, tmp_path):
     """A real training process killed with SIGKILL at a random step resumes to the same final weights, and the
     metrics log has every step exactly once."""
