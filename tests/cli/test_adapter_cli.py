@@ -1,5 +1,6 @@
 """LoRA adapters at inference: `generate BASE --adapter DIR` and `chat BASE --adapter DIR` run the base with the PEFT
 folder merged in, the same text as the merged model written by `lora merge`; a mismatched adapter is one line."""
+import pytest
 import torch
 from conftest import TINY_MODEL, assert_one_line_error, random_model, run_cli
 
@@ -23,6 +24,7 @@ def _base_and_adapter(tiny_data, tmp_path):
     return tmp_path / "base", tmp_path / "adapter"
 
 
+@pytest.mark.slow  # several CLI processes, ~14 s (make test-slow, CI's second stage)
 def test_generate_and_chat_with_an_adapter(tiny_data, tmp_path):
     base, adapter = _base_and_adapter(tiny_data, tmp_path)
     assert run_cli("lora", "merge", base, adapter, "--out-dir", tmp_path / "merged").returncode == 0

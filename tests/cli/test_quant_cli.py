@@ -41,6 +41,7 @@ def test_quantize_int4_reports_tied_weights_once_and_generates_with_stats(tied_d
     assert line.startswith("[decode ")  # the headline rate: decode, compilation excluded
 
 
+@pytest.mark.slow  # three CLI processes each, 15-18 s (make test-slow, CI's second stage)
 @pytest.mark.parametrize("quantize", [[], ["--quantize", "int4"]], ids=["float32", "int4"])
 def test_generate_compile_saves_its_step_and_the_next_run_loads_it_and_prints_the_eager_text(tied_dir, tmp_path,
                                                                                                quantize):
