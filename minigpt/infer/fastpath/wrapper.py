@@ -138,15 +138,13 @@ class FastPath(nn.Module):
             # int8 and int4 weights: ATen's weight-only kernels where wanted and they take the shape, else read by
             # the compiled step as float32 words (same memory)
             aten = aten_woq_wanted(self.woq_kernel)
-            # The step passes one int4 group size to ATen's kernel (a constant): with several, int4 stays on words.
-            aten_int4 = aten and len({p.group_size for p in projections} - {0}) == 1
+            # The step passes ATen's int4 kernel one group size (a constant): with several, int4 stays on the loops.
+            groups = {p.group_size for p in projections} - {0}
             for p in projections:
-                int4 = p.group_size > 0
-                if int4 and aten_int4 and aten_woq_layout(p):
-                    self.woq_group_size = p.group_size
-                elif int4 or not (aten and aten_woq_layout(p)):
+                if not (aten and (p.group_size == 0 or len(groups) == 1) and aten_woq_layout(p)):
                     p.words = int8_words(p.weight)
                     p.word_scale = int4_word_scales(p)
+            self.woq_group_size = groups.pop() if aten and len(groups) == 1 else 0
         # RoPE tables in the activation dtype, the sine in the signed form rope_rotate takes (signed once, here).
         self.cos = m.rope_cos.to(ACT_DTYPE)
         self.sin_signed = signed_sine(m.rope_sin).to(ACT_DTYPE)
