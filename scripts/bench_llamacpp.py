@@ -124,10 +124,12 @@ def hf_source(args, work: Path) -> Path:
     if args.preset:
         src = work / f"{args.preset}-minigpt"
         # llama.cpp's converter needs a tokenizer it knows: stories260K's SentencePiece model (512 pieces; the
-        # converter pads the vocabulary to the model's 4096 rows).
+        # converter pads the vocabulary to the model's rows: 4096, or the preset's own vocab_size).
         code = ("import sys, torch; from minigpt import Transformer, save_pretrained; "
                 "from minigpt.model.config import preset; from minigpt.tokenizer.tokenizer import Tokenizer; "
-                f"torch.manual_seed(0); model = Transformer(preset({args.preset!r}, vocab_size=4096, "
+                "from minigpt.model.config import PRESETS; "
+                f"vocab = PRESETS[{args.preset!r}].get('vocab_size', 4096); "
+                f"torch.manual_seed(0); model = Transformer(preset({args.preset!r}, vocab_size=vocab, "
                 "max_seq_len=1024)); save_pretrained(model, sys.argv[1], Tokenizer.from_file(sys.argv[2]))")
         run([sys.executable, "-c", code, src, args.tokenizer])
     else:

@@ -17,7 +17,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from minigpt.checkpoint.atomic import FORMAT, atomic_dir, verify_manifest
-from minigpt.checkpoint.quantized import build_quantized, check_quantization, load_quantized, write_tokenizer_files
+from minigpt.checkpoint.quantized import (
+    build_quantized,
+    check_quantization,
+    load_quantized,
+    materialize,
+    write_tokenizer_files,
+)
 from minigpt.errors import MiniGPTError
 from minigpt.interop import hf
 from minigpt.interop.gguf import gguf_tensor_shapes, iter_gguf_weights, read_gguf, read_gguf_weights, read_vocab
@@ -221,7 +227,7 @@ def load_model(
     # Checked while the model is still on the meta device: a header that claims a vocabulary or width its tensors
     # do not have is refused here rather than sizing the allocation below.
     check_shapes(model_state_dict(model), tensors, str(source))
-    model = model.to_empty(device=device)
+    model = materialize(model, device)
     model.init_rope(device)
     if config.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight

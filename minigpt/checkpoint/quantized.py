@@ -51,6 +51,13 @@ def check_quantization(quantization: dict, source: str) -> dict:
         raise MiniGPTError(f"{source}: {e}") from None
 
 
+def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """``model.to_empty(device=device)`` for a model built on the meta device: uninitialised storage for every
+    parameter and buffer, ties kept. Allocated with ``torch.empty`` because ``to_empty``'s ``empty_like`` of a meta
+    tensor runs torch's Python reference kernels, whose first use imports sympy (~0.4 s of every CLI call)."""
+    return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+
+
 def build_quantized(config, device: torch.device | str = "cpu", quantization: Optional[dict] = None) -> nn.Module:
     """An empty quantized :class:`Transformer` of ``config`` (quantized layers in place, weights zero) for loading;
     ``quantization`` is the config's entry (default int8)."""
@@ -69,7 +76,7 @@ def build_quantized(config, device: torch.device | str = "cpu", quantization: Op
         return Int8Linear(lin.in_features, lin.out_features, has_bias, device="meta")
 
     _replace_linears(model, make)
-    model = model.to_empty(device=device)
+    model = materialize(model, device)
     model.init_rope(device)
     model.quantization = dict(quantization)
     return model

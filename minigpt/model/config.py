@@ -259,6 +259,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, hidden_dim=11008,
         max_seq_len=4096, tie_embeddings=False,
     ),
+    # SmolLM-135M's shape (HuggingFaceTB/SmolLM-135M config.json): random weights for benchmarks against llama.cpp
+    # at the size issue 22 measured, where the real weights are not available offline.
+    "smollm-135m": dict(
+        vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, hidden_dim=1536, max_seq_len=2048,
+        rope_theta=10000.0, norm_eps=1e-5,
+    ),
 }
 
 

@@ -96,6 +96,15 @@ def positions_from_mask(attention_mask: torch.Tensor, start_pos: int, seq_len: i
     return positions[:, start_pos:start_pos + seq_len].clamp(min=0)
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding(num, dim)``; on the meta device (a checkpoint's skeleton) without its init, a ``normal_`` that
+    there runs torch's Python reference kernels, whose first use imports Dynamo: 1.1 s of every `minigpt generate`.
+    Elsewhere the init runs, so a seeded model draws the same random numbers as ever."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim)
+
+
 class Transformer(nn.Module):
     """A Llama-style causal language model.
 
@@ -106,9 +115,9 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.tok_embeddings = _embedding(config.vocab_size, config.dim)
         if config.pos_encoding == "learned":
-            self.pos_embeddings = nn.Embedding(config.max_seq_len, config.dim)
+            self.pos_embeddings = _embedding(config.max_seq_len, config.dim)
         self.dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         # A post-norm block already ends in a norm, so the 2017 Transformer has no final one.
@@ -118,7 +127,8 @@ class Transformer(nn.Module):
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.init_rope()
-        self.reset_parameters()
+        if not self.tok_embeddings.weight.is_meta:  # on meta there is nothing to fill (and normal_ is slow there)
+            self.reset_parameters()
 
     def init_rope(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the position buffers derived from the config, on ``device``: RoPE frequencies and
@@ -130,16 +140,25 @@ class Transformer(nn.Module):
         c = self.config
         self.rope = None
         rows = min(c.max_seq_len, EAGER_POSITIONS)
+        device = torch.get_default_device() if device is None else device
+        # Computed on the CPU, then moved: under the meta device (a checkpoint's skeleton) arange and div would run
+        # torch's Python reference kernels, whose first use imports Dynamo (~0.8 s of every `minigpt generate`).
+        with torch.device("cpu"):
+            if c.pos_encoding == "rope":
+                self.rope = RopeScaling(c.head_dim, c.rope_theta, c.rope_scaling, c.max_seq_len)
+                cos, sin = rope_tables(c.head_dim, rows, c.rope_theta, c.rope_scaling)
+            elif c.pos_encoding == "sinusoidal":
+                table = sinusoidal_table(rows, c.dim)
+            elif c.pos_encoding == "alibi":
+                slopes = alibi_slopes(c.n_heads)
         # Non-persistent buffers: derived from the config, so they never enter a checkpoint.
         if c.pos_encoding == "rope":
-            self.rope = RopeScaling(c.head_dim, c.rope_theta, c.rope_scaling, c.max_seq_len)
-            cos, sin = rope_tables(c.head_dim, rows, c.rope_theta, c.rope_scaling)
             self.register_buffer("rope_cos", cos.to(device), persistent=False)
             self.register_buffer("rope_sin", sin.to(device), persistent=False)
         elif c.pos_encoding == "sinusoidal":
-            self.register_buffer("pos_table", sinusoidal_table(rows, c.dim).to(device), persistent=False)
+            self.register_buffer("pos_table", table.to(device), persistent=False)
         elif c.pos_encoding == "alibi":
-            self.register_buffer("alibi_slopes", alibi_slopes(c.n_heads).to(device), persistent=False)
+            self.register_buffer("alibi_slopes", slopes.to(device), persistent=False)
 
     def ensure_positions(self, end: int) -> None:
         """Grow the position tables to cover positions ``[0, end)`` (``end <= max_seq_len``); a no-op when they do.

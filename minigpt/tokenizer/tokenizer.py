@@ -374,8 +374,11 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``, special tokens included as text. Bytes that do not form complete UTF-8 characters
-        decode to U+FFFD (one per byte for byte-level BPE)."""
-        ids = [int(i) for i in ids]
+        decode to U+FFFD (one per byte for byte-level BPE). Ids outside the vocabulary decode to nothing, on both
+        back ends (Hugging Face ``tokenizers`` skips them; SentencePiece would raise): a model's embedding is often
+        padded past its tokenizer's vocabulary, and a generation that samples a padding row must not crash."""
+        n = self.vocab_size
+        ids = [i for i in map(int, ids) if 0 <= i < n]
         if self._sp is not None:
             return self._sp.decode(ids)
         return self._hf.decode(ids, skip_special_tokens=False)

@@ -65,6 +65,14 @@ def test_counts_equal_the_model_for_every_variant(kw):
     assert n["total"] == n["embedding"] + n["attention"] + n["ffn"] + n["norms"] + n["lm_head"]
 
 
+def test_smollm_135m_shape_has_its_135m_parameters():
+    """SmolLM-135M (HuggingFaceTB/SmolLM-135M): 30 layers of dim 576, 9 query and 3 KV heads, FFN 1536, a tied
+    49,152-row embedding: 134.5M parameters, 28.3M of them the embedding."""
+    n = count_parameters(preset("smollm-135m"))
+    assert round(n["total"] / 1e6, 1) == 134.5
+    assert n["embedding"] == 49152 * 576
+
+
 def test_llama2_7b():
     """Touvron et al. 2023: 6.74 B parameters; fp16 KV cache of 2048 tokens = 2 * 32 layers * 4096 * 2048 * 2 bytes
     = 1 GiB exactly; GQA with 8 of 32 KV heads cuts it by 75 %."""

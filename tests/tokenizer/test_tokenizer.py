@@ -222,3 +222,14 @@ def test_sentencepiece_model(shared_data, tmp_path):
     pieces = _stream(tok, tok.encode(story))
     assert "".join(pieces) == tok.decode(tok.encode(story)) == story
     assert not any("\ufffd" in p for p in pieces)
+
+
+def test_ids_past_the_vocabulary_decode_to_nothing_on_both_back_ends(shared_data, bpe):
+    """A model whose embedding is padded past its tokenizer's vocabulary can sample a padding row: decoding it
+    must not raise (SentencePiece's own decode does), and both back ends drop it as `tokenizers` does."""
+    sp_tok = Tokenizer.from_dir(shared_data / "models" / "stories260K" / "hf")
+    for tok in (sp_tok, bpe):
+        ids = tok.encode("Once upon a time")
+        padded = [ids[0], tok.vocab_size, *ids[1:], tok.vocab_size + 40_000, -1]
+        assert tok.decode(padded) == tok.decode(ids) == "Once upon a time"
+        assert "".join(_stream(tok, padded)) == "Once upon a time"

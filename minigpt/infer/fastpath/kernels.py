@@ -62,8 +62,15 @@ class Proj:
 
         bf16/fp16 weights: a few rows (decode) go through the BLAS's half-precision matrix-vector product on
         activations rounded to the weight dtype; many rows (prefill) through an fp32 GEMM on the weights upcast
-        once per call, because CPUs without native bf16 run half-precision GEMMs ~100x slower than fp32 ones."""
+        once per call, because CPUs without native bf16 run half-precision GEMMs ~100x slower than fp32 ones.
+        int8/int4 weights given ATen's layout (:func:`aten_woq_layout`): a few rows through ATen's weight-only
+        kernels on bf16 activations (the compiled step's numerics), many rows through the dequantized GEMM."""
         w = self.weight
+        if self.word_scale is not None and self.word_scale.dtype == torch.bfloat16 \
+                and x.numel() // x.shape[-1] <= DECODE_ROWS_MAX:  # aten_woq_layout: ATen's kernels, as compiled
+            y = _aten_woq_linear(x.reshape(-1, x.shape[-1]).float(), self, self.group_size)
+            y = y if self.bias is None else y + self.bias.float()
+            return y.to(x.dtype).view(*x.shape[:-1], -1)
         if self.scale is not None and self.scale.dim() == 2:
             return int4_linear(x, w, self.scale, self.group_size, self.bias)
         if self.scale is not None:

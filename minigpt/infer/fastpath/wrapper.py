@@ -134,17 +134,17 @@ class FastPath(nn.Module):
         # The compiled step takes each projection as one tensor set: layers of mixed kinds that could not be fused
         # (fuse_projections) run eagerly.
         self.compiled = self.compiled and not any(isinstance(p, list) for p in projections)
-        if self.compiled:
-            # int8 and int4 weights: ATen's weight-only kernels where wanted and they take the shape, else read by
-            # the compiled step as float32 words (same memory)
-            aten = aten_woq_wanted(self.woq_kernel)
-            # The step passes ATen's int4 kernel one group size (a constant): with several, int4 stays on the loops.
-            groups = {p.group_size for p in projections} - {0}
-            for p in projections:
-                if not (aten and (p.group_size == 0 or len(groups) == 1) and aten_woq_layout(p)):
-                    p.words = int8_words(p.weight)
-                    p.word_scale = int4_word_scales(p)
-            self.woq_group_size = groups.pop() if aten and len(groups) == 1 else 0
+        # int8 and int4 weights: ATen's weight-only kernels where wanted and they take the shape (in the compiled
+        # step and in eager decode steps alike), else, compiled, read as float32 words (same memory)
+        aten = aten_woq_wanted(self.woq_kernel)
+        # The step passes ATen's int4 kernel one group size (a constant): with several, int4 stays on the loops.
+        groups = {q.group_size for p in projections for q in (p if isinstance(p, list) else [p])} - {0}
+        for p in projections:
+            for q in p if isinstance(p, list) else [p]:
+                if not (aten and (q.group_size == 0 or len(groups) == 1) and aten_woq_layout(q)) and self.compiled:
+                    q.words = int8_words(q.weight)
+                    q.word_scale = int4_word_scales(q)
+        self.woq_group_size = groups.pop() if aten and len(groups) == 1 else 0
         # RoPE tables in the activation dtype, the sine in the signed form rope_rotate takes (signed once, here).
         self.cos = m.rope_cos.to(ACT_DTYPE)
         self.sin_signed = signed_sine(m.rope_sin).to(ACT_DTYPE)
