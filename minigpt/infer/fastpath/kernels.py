@@ -60,8 +60,10 @@ class Proj:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in]`` in the activation dtype (float32) -> ``[..., out]`` in the same dtype.
 
-        bf16/fp16 weights: a few rows (decode) go through the BLAS's half-precision matrix-vector product on
-        activations rounded to the weight dtype; many rows (prefill) through an fp32 GEMM on the weights upcast
+        bf16/fp16 weights: one row goes through ATen's half-precision matrix-vector product (``torch.mv``; measured
+        on an AVX512-BF16 CPU, a 135M model's eager bf16 decode ran 46 tokens/s, against 35 through ``F.linear``'s
+        oneDNN call) and a few rows (batched decode) through ``F.linear``, on activations rounded to the weight
+        dtype; many rows (prefill) through an fp32 GEMM on the weights upcast
         once per call, because CPUs without native bf16 run half-precision GEMMs ~100x slower than fp32 ones.
         int8/int4 weights given ATen's layout (:func:`aten_woq_layout`): a few rows through ATen's weight-only
         kernels on bf16 activations (the compiled step's numerics), many rows through the dequantized GEMM."""
@@ -77,7 +79,10 @@ class Proj:
             return int8_linear(x, w, self.scale, self.bias)
         if w.dtype == x.dtype:
             return F.linear(x, w, self.bias)
-        if x.numel() // x.shape[-1] <= DECODE_ROWS_MAX:
+        rows = x.numel() // x.shape[-1]
+        if rows == 1 and self.bias is None:
+            return torch.mv(w, x.reshape(-1).to(w.dtype)).to(x.dtype).view(*x.shape[:-1], -1)
+        if rows <= DECODE_ROWS_MAX:
             bias = None if self.bias is None else self.bias.to(w.dtype)
             return F.linear(x.to(w.dtype), w, bias).to(x.dtype)
         return F.linear(x, w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
