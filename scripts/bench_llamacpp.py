@@ -22,7 +22,9 @@ What it does (``python scripts/bench_llamacpp.py [--model SRC | --preset small]`
      ``-pg 128,1`` (time = 129 / its tokens/s) vs MiniGPT's prefill plus one decode step;
    * end-to-end wall time of one CLI call generating ``--new-tokens`` tokens from a short prompt:
      ``llama-completion -no-cnv --temp 0 -t T`` vs ``minigpt generate --temperature 0 --threads T`` (a fresh
-     process each: start-up, load, prompt, decode; ``--cli-compile`` adds ``--compile``, after one untimed call
+     process each: start-up, load, prompt, decode; each side reads the weights saved once in that precision:
+     the GGUF, and a MiniGPT directory made by ``minigpt export --dtype`` or ``minigpt quantize``;
+     ``--cli-compile`` adds ``--compile``, after one untimed call
      per precision that saves the compiled step for the timed ones to load), with the number of tokens
      each generated (either may stop at EOS).
 
@@ -234,18 +236,35 @@ def minigpt_measure(fp, args) -> dict[str, float]:
     return {"decode": decode, "prefill": prefill, "ttft_s": ttft}
 
 
-def cli_calls(bins: Path, gguf: Path, hf_dir: Path, kind: str, args) -> dict[str, float]:
-    """Wall seconds (and generated tokens) of one llama-completion and one `minigpt generate` call."""
-    _, _, dtype, quantize = PRECISIONS[kind]
+def cli_sources(hf_dir: Path, work: Path, types: list[str]) -> dict[str, Path]:
+    """``{llama.cpp type: model directory}`` for the CLI calls, each saved once in its own precision as llama.cpp's
+    GGUFs are: F32 the fp32 directory, F16/BF16 ``minigpt export --dtype``, Q8_0/Q4_0 ``minigpt quantize``."""
+    out = {}
+    for kind in types:
+        _, label, dtype, quantize = PRECISIONS[kind]
+        if kind == "F32":
+            out[kind] = hf_dir
+            continue
+        out[kind] = work / f"minigpt-{label}"
+        if quantize:
+            run([sys.executable, "-m", "minigpt", "quantize", hf_dir, out[kind], "--dtype", quantize])
+        else:
+            run([sys.executable, "-m", "minigpt", "export", hf_dir, out[kind], "--format", "hf", "--dtype", dtype])
+    return out
+
+
+def cli_calls(bins: Path, gguf: Path, model_dir: Path, kind: str, args) -> dict[str, float]:
+    """Wall seconds (and generated tokens) of one llama-completion and one `minigpt generate` call, each on the
+    weights saved in this precision (``gguf``; ``model_dir`` from :func:`cli_sources`)."""
+    _, _, dtype, _ = PRECISIONS[kind]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     t = time.perf_counter()
     p = run_llama([bins / "llama-completion", "-m", gguf, "-n", args.new_tokens, "--temp", 0, "-t", args.threads,
                    "-no-cnv", "-p", PROMPT], kind, ["--no-repack"])
     llama_s = time.perf_counter() - t
     m = re.search(r"eval time =.*?/\s*(\d+) runs", p.stderr)
-    cmd = [sys.executable, "-m", "minigpt", "generate", hf_dir, "--prompt", PROMPT, "--max-new-tokens",
+    cmd = [sys.executable, "-m", "minigpt", "generate", model_dir, "--prompt", PROMPT, "--max-new-tokens",
            args.new_tokens, "--temperature", 0, "--threads", args.threads, "--dtype", dtype, "--stats"]
-    cmd += ["--quantize", quantize] if quantize else []
     cmd += ["--compile"] if args.cli_compile else []
     t = time.perf_counter()
     q = run(cmd, env=env)
@@ -334,6 +353,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-llamacpp-") as tmp:
         hf_dir = hf_source(args, Path(tmp))
         ggufs = convert(hf_dir, tree, bins, cache, types)
+        cli_dirs = {} if args.no_cli else cli_sources(hf_dir, Path(tmp), types)
         log("loading (and compiling) the MiniGPT variants")
         variants = {}
         for kind in types:
@@ -344,14 +364,14 @@ def main() -> int:
             if args.cli_compile and not args.no_cli:
                 # One untimed call first: it compiles the CLI's decode step and saves it in the compile cache
                 # (minigpt.infer.fastpath.aot), so the timed calls measure a user's second and later runs.
-                cli_calls(bins, ggufs[kind], hf_dir, kind, args)
+                cli_calls(bins, ggufs[kind], cli_dirs[kind], kind, args)
         samples = {"llama": {k: [] for k in types}, "minigpt": {k: [] for k in types}, "cli": {k: [] for k in types}}
         for r in range(args.rounds):
             for kind in types:
                 samples["llama"][kind].append(llama_bench(bins, ggufs[kind], kind, args))
                 samples["minigpt"][kind].append(minigpt_measure(variants[kind], args))
                 if not args.no_cli:
-                    samples["cli"][kind].append(cli_calls(bins, ggufs[kind], hf_dir, kind, args))
+                    samples["cli"][kind].append(cli_calls(bins, ggufs[kind], cli_dirs[kind], kind, args))
                 log(f"round {r + 1}/{args.rounds} {kind}: llama.cpp {samples['llama'][kind][-1]} | MiniGPT "
                     f"{samples['minigpt'][kind][-1]}" + ("" if args.no_cli else f" | {samples['cli'][kind][-1]}"))
     report = table(samples, types, args)
