@@ -48,6 +48,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from minigpt.runtime import DTYPES, pick_device
     from minigpt.serve.chat import encode_prompt, prompt_bos
     from minigpt.tokenizer.chat_template import ChatTemplate
+    from minigpt.tokenizer.tokenizer import TokenizerMissing
 
     _check_prompt_flags(args)
     if args.threads is not None:
@@ -113,7 +114,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.draft:
             from minigpt.infer.speculative import SpeculativeStats, speculative_tokens
 
-            draft = load_for_inference(resolve_checkpoint(args.draft), **options)
+            draft_source = resolve_checkpoint(args.draft)
+            try:  # a draft without tokenizer files is taken on trust (its vocabulary size is still checked)
+                difference = tokenizer.vocabulary_difference(load_tokenizer(draft_source))
+            except TokenizerMissing:
+                difference = None
+            if difference:
+                raise MiniGPTError(f"--draft {args.draft}: its tokenizer is not the model's ({difference}); "
+                                   "speculative decoding needs a draft with the same tokenizer")
+            draft = load_for_inference(draft_source, **options)
             stats = SpeculativeStats()
             tokens = speculative_tokens(model, draft, ids, params, args.draft_k, stop_ids=stop_ids,
                                         truncate=args.truncate_prompt, stats=stats)

@@ -302,6 +302,19 @@ class Tokenizer:
         """The spelling of id ``i`` in the vocabulary (byte-level tokens in their printable-character form)."""
         return self._sp.id_to_piece(i) if self._sp is not None else self._hf.id_to_token(i)
 
+    def vocabulary_difference(self, other: "Tokenizer") -> Optional[str]:
+        """None when ``other`` gives every id the same token as this tokenizer (and has as many ids), else a short
+        phrase naming the first difference. What two models must share for one to draft for the other: llama.cpp's
+        speculative decoding makes the same per-id comparison of token texts (``common_speculative_are_compatible``).
+        """
+        if self.vocab_size != other.vocab_size:
+            return f"{self.vocab_size} against {other.vocab_size} token ids"
+        for i in range(self.vocab_size):
+            a, b = self.id_to_token(i), other.id_to_token(i)
+            if a != b:
+                return f"id {i} is {a!r} against {b!r}"
+        return None
+
     def _lookup(self, names: Sequence[str]) -> Optional[int]:
         for name in names:
             i = self._hf.token_to_id(name)

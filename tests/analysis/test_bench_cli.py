@@ -91,6 +91,24 @@ def test_generate_errors(ckpts, tmp_path):
                           "no non-empty line")
 
 
+def test_a_draft_with_another_tokenizer_of_the_same_size_is_refused(ckpts, tmp_path):
+    """Equal vocabulary sizes are not enough: two ids swapped in the draft's tokenizer.json make every proposal
+    mean another token, so the call is refused in one line naming the first id that differs."""
+    import shutil
+
+    target, draft = ckpts
+    other = tmp_path / "draft"
+    shutil.copytree(draft, other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    (other / "manifest.json").unlink(missing_ok=True)  # the edit is deliberate; the weights are untouched
+    proc = run_cli("generate", target, *GREEDY, "--prompt", "ROMEO:", "--draft", other)
+    assert_one_line_error(proc, "its tokenizer is not the model's (id 300 is")
+
+
 def test_bench_smoke(tmp_path):
     pytest.importorskip("transformers")
     # The 300-token prefill is longer than the `tiny` preset's 256-token context: bench models must be built longer.

@@ -233,3 +233,10 @@ def test_ids_past_the_vocabulary_decode_to_nothing_on_both_back_ends(shared_data
         padded = [ids[0], tok.vocab_size, *ids[1:], tok.vocab_size + 40_000, -1]
         assert tok.decode(padded) == tok.decode(ids) == "Once upon a time"
         assert "".join(_stream(tok, padded)) == "Once upon a time"
+
+
+def test_vocabulary_difference_names_the_first_id_that_differs(shared_data, bpe, tmp_path):
+    sp_tok = Tokenizer.from_dir(shared_data / "models" / "stories260K" / "hf")
+    assert bpe.vocabulary_difference(Tokenizer.from_file(bpe.save(tmp_path))) is None
+    assert sp_tok.vocabulary_difference(sp_tok) is None
+    assert bpe.vocabulary_difference(sp_tok) == f"{bpe.vocab_size} against 512 token ids"
