@@ -86,6 +86,9 @@ class Scorer:
         self.add_bos = add_bos
         if add_bos and tokenizer.bos_id is None:
             raise MiniGPTError("the tokenizer has no BOS token to prepend (drop --bos)")
+        if tokenizer.vocab_size > model.config.vocab_size:  # some text would index past the embedding
+            raise MiniGPTError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
+                               f"{model.config.vocab_size} embedding rows: is the tokenizer the model's own?")
         self.batch_size = batch_size
         self.reuse_prefix = reuse_prefix
         self.max_length = max_length or model.config.max_seq_len

@@ -17,7 +17,14 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from minigpt.errors import MiniGPTError
-from minigpt.infer.sampling import InvalidRequest, SamplingParams, check_length, process_logits, sample
+from minigpt.infer.sampling import (
+    InvalidRequest,
+    SamplingParams,
+    check_length,
+    check_token_ids,
+    process_logits,
+    sample,
+)
 from minigpt.infer.stops import StopChecker
 from minigpt.model.transformer import Transformer
 
@@ -38,14 +45,16 @@ def generate_tokens(
 
     The prompt is prefilled in a single forward pass; each further token costs one cached forward of length 1.
     Raises :class:`~minigpt.infer.sampling.InvalidRequest` if the prompt plus ``max_tokens`` exceeds
-    ``max_seq_len`` (unless ``truncate``, which drops the oldest prompt tokens); see
-    :func:`~minigpt.infer.sampling.check_length`.
+    ``max_seq_len`` (unless ``truncate``, which drops the oldest prompt tokens; see
+    :func:`~minigpt.infer.sampling.check_length`) or holds an id outside the vocabulary
+    (:func:`~minigpt.infer.sampling.check_token_ids`).
 
     Per step the only host synchronisation is reading the sampled token (to yield it and test ``stop_ids``).
     """
     device = model_device(model)
     max_tokens = params.max_tokens
     drop, _ = check_length(len(prompt), max_tokens, model.config.max_seq_len, truncate=truncate)
+    check_token_ids(prompt, model.config.vocab_size)
     prompt = list(prompt)[drop:]
     generator = make_generator(params.seed, device)
     cache = model.new_kv_cache(1, len(prompt) + max_tokens)
@@ -145,7 +154,7 @@ def generate_batch(
 
     ``on_token(row, token)`` is called for every token a row keeps, in order (for streaming). Per step the only
     host synchronisation is reading the ``batch`` sampled tokens. Raises :class:`MiniGPTError` for an empty list,
-    an empty prompt, or a prompt that does not fit (unless ``truncate``).
+    an empty prompt, a prompt that does not fit (unless ``truncate``) or one with an id outside the vocabulary.
     """
     n = len(prompts)
     if n == 0:
@@ -159,6 +168,8 @@ def generate_batch(
     # Each row alone first (the clearer message), then side by side: the cache holds longest + most columns.
     rows = [list(p)[check_length(len(p), b, max_seq_len, truncate=truncate)[0]:]
             for p, b in zip(prompts, budgets)]
+    for p in prompts:
+        check_token_ids(p, model.config.vocab_size)
     device = model_device(model)
     longest, most = max(map(len, rows)), max(budgets)
     if longest + most > max_seq_len:  # rows fit alone but not side by side: drop the oldest tokens of long rows

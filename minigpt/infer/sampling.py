@@ -148,6 +148,16 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
 
+def check_token_ids(prompt: Sequence[int], vocab_size: int) -> None:
+    """Raise :class:`InvalidRequest` (``param`` ``"prompt"``) when an id of ``prompt`` has no row in a model
+    embedding of ``vocab_size`` rows, as happens when the tokenizer has more ids than the model (they do not belong
+    together); the forward would fail with an index error deep inside the model."""
+    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"the prompt holds token id {bad}, outside the model's vocabulary of {vocab_size} ids: "
+                             "is the tokenizer the model's own?", "prompt")
+
+
 def check_length(prompt_len: int, max_tokens: Optional[int], max_seq_len: int, *, truncate: bool = False,
                  name: str = "max_tokens", hint: str = "") -> tuple[int, int]:
     """Fit a prompt of ``prompt_len`` tokens and up to ``max_tokens`` new ones into a context of ``max_seq_len``.

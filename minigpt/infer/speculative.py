@@ -25,7 +25,7 @@ import torch
 
 from minigpt.errors import MiniGPTError
 from minigpt.infer.generate import decode_step, decode_tokens, make_generator, model_device, prefill
-from minigpt.infer.sampling import SamplingParams, check_length, sampling_probs
+from minigpt.infer.sampling import SamplingParams, check_length, check_token_ids, sampling_probs
 
 
 @dataclass
@@ -115,6 +115,7 @@ def speculative_tokens(
     context = min(target.config.max_seq_len, draft.config.max_seq_len)
     # The verify forward writes k positions past the last kept token, so the cache needs that much head room.
     max_new_tokens = params.max_tokens
+    check_token_ids(prompt, target.config.vocab_size)
     drop, _ = check_length(len(prompt), max_new_tokens + k, context, truncate=truncate)
     seq = list(prompt)[drop:]
     device = model_device(target)

@@ -109,6 +109,17 @@ def test_a_draft_with_another_tokenizer_of_the_same_size_is_refused(ckpts, tmp_p
     assert_one_line_error(proc, "its tokenizer is not the model's (id 300 is")
 
 
+def test_a_prompt_the_model_has_no_rows_for_is_a_one_line_error(tiny_data, tmp_path):
+    """The tokenizer of the test data with a model of fewer embedding rows: a prompt that encodes to a missing
+    row is refused in one line (it was an IndexError traceback from the embedding)."""
+    tok = Tokenizer.from_dir(tiny_data)
+    model = Transformer(ModelConfig(vocab_size=200, **TINY_MODEL)).eval()
+    path = save_pretrained(model, tmp_path / "m", tokenizer=tok)
+    text = "ROMEO: Good morrow, my lord, how fares the queen?"
+    assert max(tok.encode(text)) >= 200
+    assert_one_line_error(run_cli("generate", path, *GREEDY, "--prompt", text), "outside the model's vocabulary")
+
+
 def test_bench_smoke(tmp_path):
     pytest.importorskip("transformers")
     # The 300-token prefill is longer than the `tiny` preset's 256-token context: bench models must be built longer.

@@ -104,3 +104,16 @@ def test_gguf_and_llama2c_sources_evaluate_like_their_originals(random_model, sh
     stories = shared_data / "models" / "stories260K"
     (bos, ours), (bos_ref, reference) = lls(stories / "stories260K.bin"), lls(stories / "hf")
     assert bos is bos_ref is True and ours == pytest.approx(reference, abs=1e-5)
+
+
+def test_a_tokenizer_with_more_ids_than_the_model_has_rows_is_refused(random_model):
+    from minigpt.errors import MiniGPTError
+    from minigpt.model.config import ModelConfig
+    from minigpt.model.transformer import Transformer
+
+    tokenizer = load_tokenizer(random_model)
+    small = Transformer(ModelConfig(vocab_size=tokenizer.vocab_size - 1, dim=32, n_layers=1, n_heads=2,
+                                    max_seq_len=64))
+    with pytest.raises(MiniGPTError, match=f"tokenizer has {tokenizer.vocab_size} ids but the model only "
+                                           f"{tokenizer.vocab_size - 1} embedding rows"):
+        Scorer(small, tokenizer)

@@ -112,6 +112,23 @@ def test_errors():
         list(speculative_tokens(make(0), make(1), [1] * 80, greedy(10), k=8))
 
 
+def test_prompt_ids_outside_the_vocabulary_are_refused_before_any_forward():
+    """A tokenizer with more ids than the model has embedding rows: the forward would fail with a bare index error
+    deep in the embedding; every generation entry point refuses the prompt first, naming the id."""
+    from minigpt.infer.generate import generate_batch
+    from minigpt.infer.sampling import InvalidRequest
+
+    model = make(0)  # 53 ids
+    for run in (lambda p: list(generate_tokens(model, p, greedy(3))),
+                lambda p: generate_batch(model, [[1, 2], p], greedy(3)),
+                lambda p: list(speculative_tokens(model, make(1), p, greedy(3), k=2))):
+        with pytest.raises(InvalidRequest, match="token id 53, outside the model's vocabulary of 53 ids"):
+            run([1, 53, 2])
+        with pytest.raises(InvalidRequest, match="token id -1"):
+            run([-1, 2])
+        run([1, 52])  # the last row is fine
+
+
 def test_greedy_accept_rule():
     logits = torch.full((4, 6), -1.0)
     logits[0, 2] = logits[1, 4] = logits[2, 1] = logits[3, 5] = 1.0  # argmax per position: 2 4 1 5
