@@ -56,6 +56,7 @@ from minigpt.serve.schemas import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
     MAX_BODY_BYTES,
+    MAX_N,
     ApiError,
     Prepared,
     bad_request,
@@ -137,19 +138,24 @@ class ServerState:
         """The LoRA adapter the request's ``model`` names (None: the base model); 400 for an unknown one."""
         return resolve_model(body.get("model"), self.model_name, self.engine.adapter_names)
 
+    @staticmethod
+    def prompt_list(prompt: Any) -> list:
+        """The prompts of a completions body's ``prompt``: a string or a token-id list is one; a list of them
+        (OpenAI's batch form) is several. 400 for anything else."""
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)):
+            return [prompt]
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            return prompt
+        raise bad_request("'prompt' must be a string, a non-empty list of token ids, or a list of those", "prompt")
+
     def prompt_ids(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             self.refuse_long(prompt, "prompt")
             # Special-token text becomes ids, as in `minigpt generate` and transformers' tokenizer(prompt).
             return encode_prompt(self.tokenizer, prompt, bos=self.add_bos)
         if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
             return list(prompt)
-        if isinstance(prompt, list) and len(prompt) > 1:
-            raise bad_request("'prompt' holds several prompts; send one per request (batches are not supported)",
-                              "prompt")
-        raise bad_request("'prompt' must be a string or a non-empty list of token ids", "prompt")
+        raise bad_request("each prompt must be a string or a non-empty list of token ids", "prompt")
 
     def refuse_long(self, text: str, param: str) -> None:
         """400 for a text with more tokens than the context, found without tokenizing all of it: growing prefixes
@@ -164,7 +170,10 @@ class ServerState:
             n *= 4
 
     # The prepare_* methods run in a worker thread: parsing, validation and tokenization of the raw body.
-    def prepare_completion(self, raw: bytes) -> Prepared:
+    def prepare_completion(self, raw: bytes) -> list[Prepared]:
+        """One :class:`Prepared` per prompt of the body (a list of prompts is answered as OpenAI does: choice
+        ``k * n + j`` is the ``j``-th of prompt ``k``), all sharing the body's sampling; at most :data:`MAX_N`
+        choices in all."""
         body = parse_json(raw)
         check_fields(body, COMPLETION_FIELDS)
         adapter = self.check_model(body)
@@ -172,17 +181,22 @@ class ServerState:
             raise bad_request("'prompt' is required", "prompt")
         params, max_tokens = parse_sampling(body)
         stream, include_usage = parse_stream_flags(body)
-        prompt = self.prompt_ids(body["prompt"])
-        # OpenAI's default for the completions endpoint is 16 tokens; 0 (echo only) generates one, not shown.
-        job = self._checked(prompt, params, 16 if max_tokens is None else max(max_tokens, 1), "prompt", stream,
-                            include_usage)
-        job.n, job.score_only, job.structured = parse_n(body), max_tokens == 0, prepare_structured(body, self, False)
-        job.adapter = adapter
-        if body.get("echo"):
-            text = body["prompt"][0] if isinstance(body["prompt"], list) and len(body["prompt"]) == 1 \
-                else body["prompt"]
-            job.echo = text if isinstance(text, str) else self.tokenizer.decode(prompt)
-        return job
+        texts, n = self.prompt_list(body["prompt"]), parse_n(body)
+        if len(texts) * n > MAX_N:
+            raise bad_request(f"{len(texts)} prompts x n={n} make {len(texts) * n} choices; at most {MAX_N} a "
+                              "request", "prompt")
+        jobs = []
+        for text in texts:
+            prompt = self.prompt_ids(text)
+            # OpenAI's default for the completions endpoint is 16 tokens; 0 (echo only) generates one, not shown.
+            job = self._checked(prompt, params, 16 if max_tokens is None else max(max_tokens, 1), "prompt", stream,
+                                include_usage)
+            job.n, job.score_only = n, max_tokens == 0
+            job.structured, job.adapter = prepare_structured(body, self, False), adapter
+            if body.get("echo"):
+                job.echo = text if isinstance(text, str) else self.tokenizer.decode(prompt)
+            jobs.append(job)
+        return jobs
 
     def prepare_chat(self, raw: bytes) -> Prepared:
         body = parse_json(raw)
@@ -217,6 +231,13 @@ class ServerState:
             if any(t >= vocab for t in ids):
                 raise bad_request(f"'{field}' token ids must be in [0, {vocab})", field)
         return Prepared(prompt, params.replace(max_tokens=max_tokens), stream, include_usage)
+
+
+def usage(shapers: list[Shaper], choices: list[Choice], n: int) -> dict:
+    """The usage of a response: every prompt once (``shapers[k]`` holds prompt ``k``, whose choices are
+    ``choices[k * n:(k + 1) * n]``), the completion tokens of every choice."""
+    parts = [s.usage([c.last for c in choices[k * n:(k + 1) * n]]) for k, s in enumerate(shapers)]
+    return {key: sum(p[key] for p in parts) for key in parts[0]}
 
 
 def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: bool = True):
@@ -280,9 +301,10 @@ def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: boo
         raw = await read_body(request, state.max_body_bytes)
         return await asyncio.get_running_loop().run_in_executor(pool, parse, raw)
 
-    def submit(job: Prepared, param: str):
-        """Submit the ``n`` requests of a job (choice ``i`` seeded ``seed + i``), their events tagged with the
-        choice's index into one queue; all or none are queued."""
+    def submit(jobs: list[Prepared], param: str):
+        """Submit the ``n`` requests of each job (choice ``j`` of job ``k`` seeded ``seed + j``, as that prompt
+        alone would be), their events tagged with the choice's index ``k * n + j`` into one queue; all or none are
+        queued."""
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 
@@ -291,12 +313,14 @@ def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: boo
 
         reqs = []
         try:
-            for i in range(job.n):
-                params = job.params if i == 0 or job.params.seed is None else job.params.replace(
-                    seed=(job.params.seed + i) % 2**63)
-                reqs.append(engine.submit(job.prompt, params, deliver_to(i), timeout=state.request_timeout,
-                                          logits_processors=job.structured.processors() if job.structured else (),
-                                          adapter=job.adapter))
+            for k, job in enumerate(jobs):
+                for j in range(job.n):
+                    params = job.params if j == 0 or job.params.seed is None else job.params.replace(
+                        seed=(job.params.seed + j) % 2**63)
+                    reqs.append(engine.submit(
+                        job.prompt, params, deliver_to(k * job.n + j), timeout=state.request_timeout,
+                        logits_processors=job.structured.processors() if job.structured else (),
+                        adapter=job.adapter))
         except (InvalidRequest, QueueFull, EngineClosed) as e:
             for req in reqs:
                 engine.cancel(req)
@@ -332,19 +356,22 @@ def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: boo
         gone.set()
         cancel(reqs)
 
-    async def respond(request: Request, chat: bool, job: Prepared):
-        reqs, inbox = submit(job, "messages" if chat else "prompt")
+    async def respond(request: Request, chat: bool, jobs: list[Prepared]):
+        """Answer ``jobs`` (one per prompt: several only for a completions batch) as one response."""
+        reqs, inbox = submit(jobs, "messages" if chat else "prompt")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        shaper = (job.structured.shaper(Shaper) if job.structured else Shaper)(
-            state.text_of, chat, rid, int(time.time()), job.adapter or state.model_name, job.prompt, job.echo,
-            job.params.logprobs is not None, job.score_only)
-        choices = [Choice(i) for i in range(job.n)]
+        created, job, n = int(time.time()), jobs[0], jobs[0].n
+        shapers = [(j.structured.shaper(Shaper) if j.structured else Shaper)(
+            state.text_of, chat, rid, created, j.adapter or state.model_name, j.prompt, j.echo,
+            j.params.logprobs is not None, j.score_only) for j in jobs]
+        shaper = shapers[0]
+        choices = [Choice(i) for i in range(len(jobs) * n)]
 
         if job.stream:
             async def events() -> AsyncIterator[str]:
-                for piece in shaper.role_chunks(job.n):
+                for piece in shaper.role_chunks(n):
                     yield piece
-                left = job.n
+                left = len(choices)
                 while left:
                     got = await next_event(inbox, request, reqs[0])
                     if got is None:
@@ -354,20 +381,20 @@ def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: boo
                     if ev.finish_reason in ("error", "timeout", "cancelled"):
                         yield f"data: {to_json(error_for(ev).body())}\n\n"
                         break
-                    for piece in shaper.chunks(i, ev):
+                    for piece in shapers[i // n].chunks(i, ev):
                         yield piece
                     if ev.finished:
                         choices[i].last = ev
                         left -= 1
                 if not left and job.include_usage:
-                    yield shaper.usage_chunk([c.last for c in choices])
+                    yield shaper.usage_chunk(usage(shapers, choices, n))
                 yield "data: [DONE]\n\n"
 
             return EngineStream(events(), reqs)
 
         gone = threading.Event()
         watcher = asyncio.create_task(cancel_on_disconnect(request, reqs, gone))
-        left = job.n
+        left = len(choices)
         try:
             while left:
                 got = await next_event(inbox, request, reqs[0])
@@ -382,7 +409,11 @@ def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: boo
         finally:
             watcher.cancel()
             cancel(reqs)  # no-op once finished; frees the slots if this handler was cancelled or failed
-        return JSONResponse(shaper.answer(choices))
+        answer = shaper.answer(choices[:n])
+        for k in range(1, len(jobs)):
+            answer["choices"] += shapers[k].answer(choices[k * n:(k + 1) * n])["choices"]
+        answer["usage"] = usage(shapers, choices, n)
+        return JSONResponse(answer)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -390,7 +421,7 @@ def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: boo
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await respond(request, True, await prepare(request, state.prepare_chat))
+        return await respond(request, True, [await prepare(request, state.prepare_chat)])
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -180,8 +180,10 @@ def _schemas(context: int) -> dict[str, Any]:
             "type": "object", "required": ["prompt"], "additionalProperties": False,
             "properties": {"prompt": {"anyOf": [
                 {"type": "string"}, token_ids,
-                {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [{"type": "string"}, token_ids]}},
-            ], "description": "a string or token ids (a batch of one of either)"}, **_sampling_fields(context)}},
+                {"type": "array", "minItems": 1, "maxItems": MAX_N,
+                 "items": {"anyOf": [{"type": "string"}, token_ids]}},
+            ], "description": f"a string or token ids, or a list of those (prompts x n <= {MAX_N} choices; "
+                              "choice k * n + j is the j-th of prompt k)"}, **_sampling_fields(context)}},
         "ChatCompletionRequest": {
             "type": "object", "required": ["messages"], "additionalProperties": False,
             "properties": {"messages": {"type": "array", "minItems": 1, "items": message},

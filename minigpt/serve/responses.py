@@ -17,7 +17,8 @@ A token's text is its decoded text; a token holding part of a UTF-8 character sh
 mapped back to their bytes). Log-probabilities are the model's own (see :mod:`minigpt.infer.sampling`).
 
 With ``n`` > 1 the choices are indexed ``0 .. n - 1``; streamed, each chunk carries one choice and its index, and
-choices end independently. Usage counts the prompt once and the completion tokens of every choice.
+choices end independently. Usage counts the prompt once and the completion tokens of every choice (a completions
+request with several prompts: every prompt once).
 """
 from __future__ import annotations
 
@@ -234,5 +235,7 @@ class Shaper:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return self._sse({**self.head, "choices": [choice]})
 
-    def usage_chunk(self, finals: Sequence[Optional[Event]]) -> str:
-        return self._sse({**self.head, "choices": [], "usage": self.usage(finals)})
+    def usage_chunk(self, usage: dict) -> str:
+        """The last chunk of a stream with ``stream_options.include_usage``: ``usage`` (a :meth:`usage` or several
+        summed), no choices."""
+        return self._sse({**self.head, "choices": [], "usage": usage})

@@ -109,6 +109,30 @@ def test_streaming_completion_matches_the_plain_answer(client):
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
 
 
+def test_several_prompts_answer_as_each_alone_indexed_prompt_by_prompt(client):
+    """OpenAI's batch form of ``prompt``: choice ``k * n + j`` is the ``j``-th choice of prompt ``k`` and equals
+    what that prompt alone gets (seeded sampling included); usage counts every prompt once; streamed, each
+    index's text equals the plain answer's."""
+    prompts = ["ROMEO:\n", "JULIET:\nO", "KING:\n"]
+    args = dict(model="shakespeare-tiny", max_tokens=12, temperature=0.8, seed=7, n=2)
+    alone = [client.completions.create(prompt=p, **args) for p in prompts]
+    batch = client.completions.create(prompt=prompts, **args)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [c.text for r in alone for c in r.choices]
+    assert batch.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in alone)
+    assert batch.usage.completion_tokens == sum(r.usage.completion_tokens for r in alone)
+    ids = client.completions.create(prompt=[[5, 6, 7], "KING:\n"], **args)  # token ids and text mixed
+    assert [c.text for c in ids.choices[2:]] == [c.text for c in alone[2].choices]
+    chunks = list(client.completions.create(prompt=prompts, **args, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts = ["" for _ in range(6)]
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in batch.choices]
+    assert chunks[-1].usage.prompt_tokens == batch.usage.prompt_tokens
+
+
 def test_chat_plain_and_streaming(client, reference):
     messages = [{"role": "system", "content": "You speak verse."}, {"role": "user", "content": "Who goes there?"}]
     r = client.chat.completions.create(model="shakespeare-tiny", messages=messages, max_tokens=30, temperature=0)
@@ -217,7 +241,9 @@ BAD = [
     ({"prompt": "hi", "presence_penalty": 2.5}, "/v1/completions", "presence_penalty"),
     ({"prompt": "hi", "frobnicate": True}, "/v1/completions", "frobnicate"),
     ({"prompt": 42}, "/v1/completions", "prompt"),
-    ({"prompt": ["one", "two"]}, "/v1/completions", "prompt"),
+    ({"prompt": ["one", 5]}, "/v1/completions", "prompt"),
+    ({"prompt": [[1, 2], []]}, "/v1/completions", "prompt"),
+    ({"prompt": ["one"] * 9, "n": 2}, "/v1/completions", "prompt"),  # 18 choices, over MAX_N
     ({"prompt": "hi", "temperature": "hot"}, "/v1/completions", "temperature"),
     ({"prompt": "hi", "temperature": 3}, "/v1/completions", "temperature"),
     ({"prompt": "hi", "top_p": 0}, "/v1/completions", "top_p"),
