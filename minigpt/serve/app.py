@@ -51,7 +51,7 @@ from minigpt.infer.sampling import InvalidRequest, SamplingParams
 from minigpt.serve.chat import encode_prompt, prompt_bos
 from minigpt.serve.models import load_engine, model_list, resolve_model
 from minigpt.serve.openapi import openapi_document
-from minigpt.serve.responses import Choice, Shaper, TokenText, error_for
+from minigpt.serve.responses import Choice, Shaper, TokenText, combined_usage, error_for
 from minigpt.serve.schemas import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -65,6 +65,7 @@ from minigpt.serve.schemas import (
     is_int,
     parse_json,
     parse_n,
+    parse_prompts,
     parse_sampling,
     parse_stream_flags,
     read_body,
@@ -138,16 +139,6 @@ class ServerState:
         """The LoRA adapter the request's ``model`` names (None: the base model); 400 for an unknown one."""
         return resolve_model(body.get("model"), self.model_name, self.engine.adapter_names)
 
-    @staticmethod
-    def prompt_list(prompt: Any) -> list:
-        """The prompts of a completions body's ``prompt``: a string or a token-id list is one; a list of them
-        (OpenAI's batch form) is several. 400 for anything else."""
-        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)):
-            return [prompt]
-        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-            return prompt
-        raise bad_request("'prompt' must be a string, a non-empty list of token ids, or a list of those", "prompt")
-
     def prompt_ids(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
             self.refuse_long(prompt, "prompt")
@@ -181,7 +172,7 @@ class ServerState:
             raise bad_request("'prompt' is required", "prompt")
         params, max_tokens = parse_sampling(body)
         stream, include_usage = parse_stream_flags(body)
-        texts, n = self.prompt_list(body["prompt"]), parse_n(body)
+        texts, n = parse_prompts(body["prompt"]), parse_n(body)
         if len(texts) * n > MAX_N:
             raise bad_request(f"{len(texts)} prompts x n={n} make {len(texts) * n} choices; at most {MAX_N} a "
                               "request", "prompt")
@@ -231,13 +222,6 @@ class ServerState:
             if any(t >= vocab for t in ids):
                 raise bad_request(f"'{field}' token ids must be in [0, {vocab})", field)
         return Prepared(prompt, params.replace(max_tokens=max_tokens), stream, include_usage)
-
-
-def usage(shapers: list[Shaper], choices: list[Choice], n: int) -> dict:
-    """The usage of a response: every prompt once (``shapers[k]`` holds prompt ``k``, whose choices are
-    ``choices[k * n:(k + 1) * n]``), the completion tokens of every choice."""
-    parts = [s.usage([c.last for c in choices[k * n:(k + 1) * n]]) for k, s in enumerate(shapers)]
-    return {key: sum(p[key] for p in parts) for key in parts[0]}
 
 
 def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: bool = True):
@@ -387,7 +371,7 @@ def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: boo
                         choices[i].last = ev
                         left -= 1
                 if not left and job.include_usage:
-                    yield shaper.usage_chunk(usage(shapers, choices, n))
+                    yield shaper.usage_chunk(combined_usage(shapers, choices, n))
                 yield "data: [DONE]\n\n"
 
             return EngineStream(events(), reqs)
@@ -412,7 +396,7 @@ def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: boo
         answer = shaper.answer(choices[:n])
         for k in range(1, len(jobs)):
             answer["choices"] += shapers[k].answer(choices[k * n:(k + 1) * n])["choices"]
-        answer["usage"] = usage(shapers, choices, n)
+        answer["usage"] = combined_usage(shapers, choices, n)
         return JSONResponse(answer)
 
     @app.post("/v1/completions")

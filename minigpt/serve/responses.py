@@ -239,3 +239,10 @@ class Shaper:
         """The last chunk of a stream with ``stream_options.include_usage``: ``usage`` (a :meth:`usage` or several
         summed), no choices."""
         return self._sse({**self.head, "choices": [], "usage": usage})
+
+
+def combined_usage(shapers: list[Shaper], choices: list[Choice], n: int) -> dict:
+    """The usage of a response to several prompts: every prompt once (``shapers[k]`` holds prompt ``k``, whose
+    choices are ``choices[k * n:(k + 1) * n]``), the completion tokens of every choice."""
+    parts = [s.usage([c.last for c in choices[k * n:(k + 1) * n]]) for k, s in enumerate(shapers)]
+    return {key: sum(p[key] for p in parts) for key in parts[0]}

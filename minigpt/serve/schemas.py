@@ -350,6 +350,16 @@ def _extensions(body: dict, chat: bool) -> dict[str, Any]:
     return out
 
 
+def parse_prompts(prompt: Any) -> list:
+    """The prompts of a completions body's ``prompt``: a string or a token-id list is one; a list of them
+    (OpenAI's batch form) is several. 400 for anything else."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return prompt
+    raise bad_request("'prompt' must be a string, a non-empty list of token ids, or a list of those", "prompt")
+
+
 def parse_n(body: dict) -> int:
     """``n``: how many choices (1 to :data:`MAX_N`)."""
     n = body.get("n")
