@@ -16,7 +16,8 @@ from eval_helpers import DATA_DIR, lm_eval_loglikelihoods, random_gqa_model, run
 TASKS = ["arc_easy", "lambada_openai"]  # 0-shot: every request fits the 256-token context
 
 
-def test_local_completions_against_the_server_equals_in_process_scores(tmp_path, monkeypatch):
+@pytest.mark.parametrize("batch_size", [1, 4], ids=["one prompt a request", "batches of 4 prompts"])
+def test_local_completions_against_the_server_equals_in_process_scores(tmp_path, monkeypatch, batch_size):
     import lm_eval
     from lm_eval.models.openai_completions import LocalCompletionsAPI
     from lm_eval.tasks import TaskManager
@@ -35,7 +36,7 @@ def test_local_completions_against_the_server_equals_in_process_scores(tmp_path,
     srv = InProcessServer(ServerState(Engine(load_model(native), tok, max_batch_size=4), tok, "tiny"))
     try:
         client = LocalCompletionsAPI(base_url=srv.url + "/v1/completions", model="tiny", tokenizer=str(hf_dir),
-                                     tokenizer_backend="huggingface", batch_size=1, max_length=256, max_retries=1)
+                                     tokenizer_backend="huggingface", batch_size=batch_size, max_length=256, max_retries=1)
         task_dir = write_task_dir(DATA_DIR, tmp_path / "lm_eval_tasks", cache_dir=tmp_path / "datasets_cache")
         served = lm_eval.simple_evaluate(model=client, tasks=[LM_EVAL_NAMES[t] for t in TASKS],
                                          task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
