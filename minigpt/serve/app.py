@@ -176,14 +176,14 @@ class ServerState:
         if len(texts) * n > MAX_N:
             raise bad_request(f"{len(texts)} prompts x n={n} make {len(texts) * n} choices; at most {MAX_N} a "
                               "request", "prompt")
-        jobs = []
+        jobs, structured = [], prepare_structured(body, self, False)  # one grammar for every prompt
         for text in texts:
             prompt = self.prompt_ids(text)
             # OpenAI's default for the completions endpoint is 16 tokens; 0 (echo only) generates one, not shown.
             job = self._checked(prompt, params, 16 if max_tokens is None else max(max_tokens, 1), "prompt", stream,
                                 include_usage)
             job.n, job.score_only = n, max_tokens == 0
-            job.structured, job.adapter = prepare_structured(body, self, False), adapter
+            job.structured, job.adapter = structured, adapter
             if body.get("echo"):
                 job.echo = text if isinstance(text, str) else self.tokenizer.decode(prompt)
             jobs.append(job)

@@ -47,6 +47,11 @@ class Proj:
         self.word_scale = word_scale
 
     @property
+    def aten_layout(self) -> bool:
+        """Whether :func:`aten_woq_layout` prepared this int8/int4 projection (its bf16 ``word_scale`` tells)."""
+        return self.word_scale is not None and self.word_scale.dtype == torch.bfloat16
+
+    @property
     def group_size(self) -> int:
         """The int4 group size (0 for other weights), from the shapes: ``in / scale.shape[1]``."""
         if self.scale is None or self.scale.dim() != 2:
@@ -67,19 +72,15 @@ class Proj:
         once per call, because CPUs without native bf16 run half-precision GEMMs ~100x slower than fp32 ones.
         int8/int4 weights given ATen's layout (:func:`aten_woq_layout`): a few rows through ATen's weight-only
         kernels on bf16 activations (the compiled step's numerics), many rows through the dequantized GEMM."""
-        w = self.weight
-        if self.word_scale is not None and self.word_scale.dtype == torch.bfloat16 \
-                and x.numel() // x.shape[-1] <= DECODE_ROWS_MAX:  # aten_woq_layout: ATen's kernels, as compiled
-            y = _aten_woq_linear(x.reshape(-1, x.shape[-1]).float(), self, self.group_size)
-            y = y if self.bias is None else y + self.bias.float()
-            return y.to(x.dtype).view(*x.shape[:-1], -1)
+        w, rows = self.weight, x.numel() // x.shape[-1]
+        if self.aten_layout and rows <= DECODE_ROWS_MAX:  # ATen's kernels, as in the compiled step
+            return aten_woq_linear(self, x, self.group_size)
         if self.scale is not None and self.scale.dim() == 2:
             return int4_linear(x, w, self.scale, self.group_size, self.bias)
         if self.scale is not None:
             return int8_linear(x, w, self.scale, self.bias)
         if w.dtype == x.dtype:
             return F.linear(x, w, self.bias)
-        rows = x.numel() // x.shape[-1]
         if rows == 1 and self.bias is None:
             return torch.mv(w, x.reshape(-1).to(w.dtype)).to(x.dtype).view(*x.shape[:-1], -1)
         if rows <= DECODE_ROWS_MAX:
@@ -282,7 +283,8 @@ def aten_woq_layout(p: Proj) -> bool:
     ``aten._convert_weight_to_int4pack_for_cpu`` (a second copy of the packed matrix, same size: the eager path and
     prefill keep reading ``weight``), ``word_scale`` = ``[in / group_size, out, 2]`` bf16 (scale, zero): that kernel
     computes ``(q - 8) * scale + zero``, which with zero 0 is ``Q4_0``'s ``(q - 8) * d`` exactly. A bf16
-    ``word_scale`` is what tells the step (:func:`decode_linear`) to call these kernels.
+    ``word_scale`` (:attr:`Proj.aten_layout`) is what tells :func:`decode_linear` and eager decode steps to call
+    these kernels.
 
     Why: measured on a 2-core Sapphire Rapids (docs/benchmarks.md), the compiled `small` step decodes 1.87x (int8)
     and 1.57x (int4) faster through them than through the generated loops; they vectorise on bf16 activations
@@ -308,11 +310,11 @@ def aten_woq_layout(p: Proj) -> bool:
     return True
 
 
-def _aten_woq_linear(x2: torch.Tensor, p: Proj, group_size: int) -> torch.Tensor:
-    """``x2`` ``[rows, in]`` float32 through ATen's weight-only kernel for ``p`` (:func:`aten_woq_layout`):
-    ``[rows, out]`` float32, scales applied, bias not. ``group_size``: of an int4 ``p``, a Python int (the traced
-    step's shapes are symbolic, and the kernel takes a constant)."""
-    xb = x2.to(torch.bfloat16).contiguous()  # the kernels read rows densely
+def aten_woq_linear(p: Proj, x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``p(x)`` through ATen's weight-only kernel for ``p`` (:func:`aten_woq_layout`): ``x`` ``[..., in]`` ->
+    ``[..., out]`` in ``x``'s dtype, scales and bias applied, any number of rows. ``group_size``: of an int4 ``p``,
+    a Python int (the traced step's shapes are symbolic, and the kernel takes a constant)."""
+    xb = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # the kernels read rows densely
     if p.scale.dim() == 2:
         # The op aten._weight_int4pack_mm_for_cpu lowers to, called directly with the group size as a 0-dim tensor:
         # through the aten op, Inductor (torch 2.13) makes that tensor itself, and inside the step's nested compile
@@ -321,7 +323,8 @@ def _aten_woq_linear(x2: torch.Tensor, p: Proj, group_size: int) -> torch.Tensor
         y = torch.ops.quantized.int4mm_packed_weight_cpu(xb, p.words, torch.tensor(group_size), p.word_scale)
     else:
         y = torch.ops.aten._weight_int8pack_mm(xb, p.weight, p.word_scale)
-    return y.float()
+    y = y.float() if p.bias is None else y.float() + p.bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], -1)
 
 
 def decode_linear(p, x: torch.Tensor, group_size: int = 0) -> torch.Tensor:
@@ -342,11 +345,8 @@ def decode_linear(p, x: torch.Tensor, group_size: int = 0) -> torch.Tensor:
         return torch.cat([decode_linear(q, x, group_size) for q in p], dim=-1)
     batch, seq = x.shape[0], x.shape[1]
     rows = batch * seq  # every (row, position) is one vector of the product
-    if p.word_scale is not None and p.word_scale.dtype == torch.bfloat16:  # aten_woq_layout, any number of rows
-        y = _aten_woq_linear(x.reshape(rows, -1).float(), p, group_size)
-        if p.bias is not None:
-            y = y + p.bias.float()
-        return y.to(x.dtype).view(batch, seq, -1)
+    if p.aten_layout:  # any number of rows
+        return aten_woq_linear(p, x, group_size)
     int4 = p.scale is not None and p.scale.dim() == 2
     if (rows > DECODE_ROWS_MAX or int4) and p.words is None:
         return p(x)

@@ -137,13 +137,15 @@ class FastPath(nn.Module):
         # int8 and int4 weights: ATen's weight-only kernels where wanted and they take the shape (in the compiled
         # step and in eager decode steps alike), else, compiled, read as float32 words (same memory)
         aten = aten_woq_wanted(self.woq_kernel)
+        flat = [q for p in projections for q in (p if isinstance(p, list) else [p])]
         # The step passes ATen's int4 kernel one group size (a constant): with several, int4 stays on the loops.
-        groups = {q.group_size for p in projections for q in (p if isinstance(p, list) else [p])} - {0}
-        for p in projections:
-            for q in p if isinstance(p, list) else [p]:
-                if not (aten and (q.group_size == 0 or len(groups) == 1) and aten_woq_layout(q)) and self.compiled:
-                    q.words = int8_words(q.weight)
-                    q.word_scale = int4_word_scales(q)
+        groups = {q.group_size for q in flat} - {0}
+        for q in flat:
+            if aten and (q.group_size == 0 or len(groups) == 1) and aten_woq_layout(q):
+                continue
+            if self.compiled:
+                q.words = int8_words(q.weight)
+                q.word_scale = int4_word_scales(q)
         self.woq_group_size = groups.pop() if aten and len(groups) == 1 else 0
         # RoPE tables in the activation dtype, the sine in the signed form rope_rotate takes (signed once, here).
         self.cos = m.rope_cos.to(ACT_DTYPE)
