@@ -115,3 +115,42 @@ def test_a_failed_ahead_of_time_compile_is_not_retried_for_the_next_shape(tmp_pa
         want = make()(torch.tensor([PROMPT + [4]]))[:, -1]
     torch.testing.assert_close(two, want.expand(2, -1), atol=1e-4, rtol=0)
     assert not list(tmp_path.glob("*.step"))
+
+
+def _decode_columns(fp, tokens: torch.Tensor, start: int) -> torch.Tensor:
+    """Prefill ``tokens[:, :start]``, then one decode step per remaining column, each token a column *view* of
+    ``tokens`` (strides ``(tokens.shape[1], 1)``); the logits ``[batch, steps, vocab]``."""
+    cache = fp.new_kv_cache(tokens.shape[0], 64)
+    with torch.inference_mode():
+        fp(tokens[:, :start], 0, cache)
+        return torch.stack([fp.decode_step(tokens[:, i:i + 1], i, cache) for i in range(start, tokens.shape[1])], 1)
+
+
+def test_a_saved_step_is_right_for_token_views_of_other_strides(tmp_path):
+    """Found with the w8a8 head's tests: a step saved while decoding column views of a ``[2, 12]`` token matrix,
+    loaded for views of a ``[2, 16]`` one (same shapes, other strides), read the wrong tokens -- logits 0.78 off
+    (relative), and an index-out-of-bounds error the other way round -- because a saved step runs without Dynamo's
+    guards. Tokens are now made contiguous before the step."""
+    g = torch.Generator().manual_seed(1)
+    short, long = torch.randint(0, 61, (2, 12), generator=g), torch.randint(0, 61, (2, 16), generator=g)
+    saved = FastPath(make(), compile=True, compile_cache=tmp_path)
+    _decode_columns(saved, short, 6)
+    assert saved.compile_sources == {"saved": 1}
+    loaded = FastPath(make(), compile=True, compile_cache=tmp_path)
+    got = _decode_columns(loaded, long, 8)
+    assert loaded.compile_sources == {"loaded": 1}
+    want = _decode_columns(FastPath(make()), long, 8)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_weights_of_another_memory_layout_get_their_own_file():
+    """Same shapes, one weight stored transposed (a strided view): the compiled code reads memory by strides, so
+    the saved step of the contiguous model must not be loaded for it."""
+    fp = FastPath(make(), compile=True)
+    other = FastPath(make(), compile=True)
+    other.final_norm = other.final_norm.clone()
+    assert aot.step_key(other, 1, 1, 64) == aot.step_key(fp, 1, 1, 64)
+    w = other.layers[0].wo.weight
+    other.layers[0].wo.weight = w.T.contiguous().T  # the same values, column-major
+    assert torch.equal(other.layers[0].wo.weight, w)
+    assert aot.step_key(other, 1, 1, 64) != aot.step_key(fp, 1, 1, 64)

@@ -73,8 +73,14 @@ def _isa() -> str:
         return f"{platform.machine()} {platform.processor()}"
 
 
-def _tensor_signature(t: Optional[torch.Tensor]) -> str:
-    return "-" if t is None else f"{t.dtype}{tuple(t.shape)}{t.device.type}"
+def _tensor_signature(t: Optional[torch.Tensor | tuple]) -> str:
+    if isinstance(t, tuple):  # Proj.w8a8
+        return ",".join(map(_tensor_signature, t))
+    if t is None:
+        return "-"
+    # Strides too: a step is compiled for its inputs' memory layout, and a saved one runs without guards (_bound).
+    strides = tuple(t.stride()) if t.layout == torch.strided else "opaque"
+    return f"{t.dtype}{tuple(t.shape)}{strides}{t.device.type}{t.layout}"
 
 
 def step_key(fp, batch: int, seq: int, cache_len: int) -> str:

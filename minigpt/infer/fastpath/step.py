@@ -80,8 +80,10 @@ def static_step(fp, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Ten
     ``k_cache``/``v_cache``: per layer ``[batch, n_kv_heads, T, head_dim]``, read only; every query attends to
     the cached columns ``pad <= column < pos`` (masked scores are ``-inf`` and contribute exact zeros, so the
     result equals attending to the prefix) and to the new tokens' keys and values up to its own.
-    Returns ``(logits [batch, seq, vocab], new_k, new_v)``, the last two a list per layer of
-    ``[batch, n_kv_heads, seq, head_dim]`` for the caller to write at columns ``pos .. pos + seq - 1``. The
+    Returns ``(logits [batch, seq, vocab], new_k, new_v)``, the last two a list per layer of ``[batch, n_kv_heads,
+    seq, head_dim]`` for the caller to write at columns ``pos .. pos + seq - 1``; when the head is oneDNN's int8 x
+    int8 product (:func:`w8a8_layout`), the final-norm states ``[batch, seq, dim]`` in place of the logits, for
+    the caller to apply the head to. The
     graph mutates nothing: with the cache write inside it, the nested compile regions below wrote garbage into
     the cache for models of more than one layer (torch 2.13; tests/test_compile.py covers it)."""
     columns = torch.arange(k_cache[0].shape[2], device=token.device)
@@ -101,7 +103,10 @@ def static_step(fp, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Ten
                              *_proj_args(lw.w2), g, lw.attn_norm_eps, lw.ffn_norm_eps)
         new_k.append(k)
         new_v.append(v)
-    return decode_linear(fp.head, rms_norm(h, fp.final_norm, fp.final_eps)), new_k, new_v
+    h = rms_norm(h, fp.final_norm, fp.final_eps)
+    if fp.head.w8a8 is not None:  # oneDNN's packed weight is opaque to Inductor: the caller applies that head
+        return h, new_k, new_v
+    return decode_linear(fp.head, h), new_k, new_v
 
 
 def _proj_args(p: Proj) -> tuple:

@@ -26,6 +26,7 @@ from minigpt.infer.fastpath.kernels import (
     int4_word_scales,
     int8_words,
     module_proj,
+    w8a8_layout,
 )
 from minigpt.infer.fastpath.step import Geometry
 from minigpt.infer.kv_cache import LayerKVCache
@@ -147,6 +148,8 @@ class FastPath(nn.Module):
                 q.words = int8_words(q.weight)
                 q.word_scale = int4_word_scales(q)
         self.woq_group_size = groups.pop() if aten and len(groups) == 1 else 0
+        if self.head.aten_layout and self.head.scale.dim() == 1:  # int8 head: oneDNN's int8 x int8 product
+            w8a8_layout(self.head)
         # RoPE tables in the activation dtype, the sine in the signed form rope_rotate takes (signed once, here).
         self.cos = m.rope_cos.to(ACT_DTYPE)
         self.sin_signed = signed_sine(m.rope_sin).to(ACT_DTYPE)
@@ -343,8 +346,10 @@ class FastPath(nn.Module):
         kv_cache.check_fits(pos + seq)
         if not self.compiled:
             return self(tokens, pos, kv_cache)
-        if pad is None:
-            pad = self._buffer(("pad", batch), batch)
+        # A compiled step is specialised to its inputs' strides and a saved one runs unguarded (aot._bound): a
+        # column view of a longer token matrix once made a loaded step read the wrong tokens.
+        tokens = tokens.contiguous()
+        pad = self._buffer(("pad", batch), batch) if pad is None else pad.contiguous()
         shape = (batch, seq, kv_cache.max_seq_len)
         key = shape + (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         first = key not in self._steps
@@ -364,6 +369,8 @@ class FastPath(nn.Module):
             self._steps[key] = step
             self.compile_sources[source] = self.compile_sources.get(source, 0) + 1
         logits, new_k, new_v = step(*args)
+        if self.head.w8a8 is not None:  # the step returned the final-norm states (step.static_step)
+            logits = self.head(logits)
         # The new columns are written here, outside the graph (see step.static_step): 2 x n_layers small copies.
         for cache_k, cache_v, k, v in zip(kv_cache.k, kv_cache.v, new_k, new_v):
             cache_k[:, :, pos:pos + seq].copy_(k)
