@@ -154,3 +154,13 @@ def test_weights_of_another_memory_layout_get_their_own_file():
     other.layers[0].wo.weight = w.T.contiguous().T  # the same values, column-major
     assert torch.equal(other.layers[0].wo.weight, w)
     assert aot.step_key(other, 1, 1, 64) != aot.step_key(fp, 1, 1, 64)
+
+
+def test_the_arguments_dtypes_are_part_of_the_key():
+    """A KV cache of another dtype (``new_kv_cache(dtype=...)``) gets its own step."""
+    fp = FastPath(make(), compile=True)
+    args = [(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+             [torch.zeros(1, 2, 64, 16, dtype=dt)] * 2, [torch.zeros(1, 2, 64, 16, dtype=dt)] * 2)
+            for dt in (torch.float32, torch.bfloat16)]
+    keys = {aot.step_key(fp, 1, 1, 64, a) for a in args}
+    assert len(keys) == 2 and aot.step_key(fp, 1, 1, 64) not in keys

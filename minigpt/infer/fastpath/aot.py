@@ -83,9 +83,10 @@ def _tensor_signature(t: Optional[torch.Tensor | tuple]) -> str:
     return f"{t.dtype}{tuple(t.shape)}{strides}{t.device.type}{t.layout}"
 
 
-def step_key(fp, batch: int, seq: int, cache_len: int) -> str:
+def step_key(fp, batch: int, seq: int, cache_len: int, args: tuple = ()) -> str:
     """The file name (hex sha256) of the step of FastPath ``fp`` for ``[batch, seq]`` new tokens and a cache of
-    ``cache_len`` columns, under the current grad / inference mode."""
+    ``cache_len`` columns, under the current grad / inference mode; ``args``: the step's example arguments, whose
+    dtypes and strides it also covers (a cache of another dtype, say)."""
     parts: list[Any] = [torch.__version__, sys.version_info[:2], _source_digest(), _isa(), fp.compile_mode,
                         repr(fp.geometry), batch, seq, cache_len, torch.is_grad_enabled(),
                         torch.is_inference_mode_enabled(), torch.get_num_threads()]
@@ -94,6 +95,7 @@ def step_key(fp, batch: int, seq: int, cache_len: int) -> str:
     parts += [(fp.final_eps,) + tuple((lw.attn_norm_eps, lw.ffn_norm_eps, _tensor_signature(lw.attn_norm))
                                       for lw in fp.layers)]
     parts += ["|".join(_tensor_signature(getattr(p, name)) for name in p.__slots__) for p in projections]
+    parts += [_tensor_signature(a[0] if isinstance(a, list) else a) for a in args]  # one cache tensor per list
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:40]
 
 
@@ -131,7 +133,7 @@ def cached_step(fp, example_args: tuple, directory: Optional[Path | bool] = None
     token, _, _, k_cache, _ = example_args
     if directory is None:
         return compile_step(fp, fp.compile_mode), "jit"
-    path = directory / f"{step_key(fp, token.shape[0], token.shape[1], k_cache[0].shape[2])}.step"
+    path = directory / f"{step_key(fp, token.shape[0], token.shape[1], k_cache[0].shape[2], example_args)}.step"
     if path.is_file():
         try:
             if not _trusted(path):
