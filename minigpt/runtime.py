@@ -156,3 +156,17 @@ def run_in_child(target, *args) -> None:
     proc.join()
     if proc.exitcode != 0:
         raise MiniGPTError(f"{target.__name__}{args[:1]} failed with exit code {proc.exitcode}")
+
+
+@lru_cache(maxsize=None)
+def native_bf16(device_type: str = "cpu") -> bool:
+    """True when ``device_type`` has fast bf16 matrix kernels: CUDA (Ampere or newer: bf16 tensor cores), MPS, or a
+    CPU whose oneDNN reports bf16 support (AVX-512-BF16 / AMX)."""
+    if device_type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device_type == "cpu":
+        try:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            return False
+    return True

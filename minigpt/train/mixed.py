@@ -21,29 +21,14 @@ emulation is quoted against the fp32 peak, the arithmetic actually used (:func:`
 from __future__ import annotations
 
 import contextlib
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from minigpt.runtime import DTYPES
+from minigpt.runtime import DTYPES, native_bf16
 
 BF16 = torch.bfloat16
-
-
-@lru_cache(maxsize=None)
-def native_bf16(device_type: str = "cpu") -> bool:
-    """True when ``device_type`` has fast bf16 matrix kernels: CUDA (Ampere or newer: bf16 tensor cores), MPS, or a
-    CPU whose oneDNN reports bf16 support (AVX-512-BF16 / AMX)."""
-    if device_type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if device_type == "cpu":
-        try:
-            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except (AttributeError, RuntimeError):
-            return False
-    return True
 
 
 def training_dtype(name: str, device_type: str) -> torch.dtype:

@@ -110,7 +110,8 @@ def test_compiled_step_through_aten_keeps_the_eager_greedy_tokens_on_stories260k
 def test_eager_decode_steps_use_aten_kernels_and_prefill_keeps_the_dequantized_product(quantize):
     """Without compiling, decode steps (at most DECODE_ROWS_MAX rows) go through the same ATen kernels (measured
     on a 135M model: the eager CLI's int8 decode 17 -> 58 and int4 11 -> 77 tokens/s), within the compiled
-    test's bound of the dequantized path; a prefill of more rows keeps the dequantized GEMM, bit for bit."""
+    test's bound of the dequantized path; a prefill of more rows keeps the dequantized GEMM (in bf16 where the CPU
+    has native bf16, test_fastpath_prefill_bf16), bit for bit the same whichever decode kernel is chosen."""
     tokens = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         prefill, decode = [], []

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minigpt.model.quant import Int4Linear, Int8Linear, dequantize_weight_int4, int4_linear, int8_linear
+from minigpt.runtime import native_bf16
 
 # Activations, the residual stream and the KV cache of the fast path are float32 whatever the weight dtype: bf16
 # (or int8) is a storage format for the weights, converted on the fly. Half-precision arithmetic has no hardware
@@ -74,10 +75,13 @@ class Proj:
         dtype; many rows (prefill) through an fp32 GEMM on the weights upcast
         once per call, because CPUs without native bf16 run half-precision GEMMs ~100x slower than fp32 ones.
         int8/int4 weights given ATen's layout (:func:`aten_woq_layout`): a few rows through ATen's weight-only
-        kernels on bf16 activations (the compiled step's numerics), many rows through the dequantized GEMM."""
+        kernels on bf16 activations (the compiled step's numerics); many rows through the dequantized GEMM, in bf16
+        on CPUs with native bf16 (:meth:`_bf16_gemm`), else in float32."""
         w, rows = self.weight, x.numel() // x.shape[-1]
         if self.aten_layout and rows <= DECODE_ROWS_MAX:  # ATen's kernels, as in the compiled step
             return aten_woq_linear(self, x, self.group_size)
+        if self.scale is not None and rows > DECODE_ROWS_MAX and x.device.type == "cpu" and native_bf16("cpu"):
+            return self._bf16_gemm(x)
         if self.scale is not None and self.scale.dim() == 2:
             return int4_linear(x, w, self.scale, self.group_size, self.bias)
         if self.scale is not None:
@@ -90,6 +94,23 @@ class Proj:
             bias = None if self.bias is None else self.bias.to(w.dtype)
             return F.linear(x.to(w.dtype), w, bias).to(x.dtype)
         return F.linear(x, w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def _bf16_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """int8/int4 ``p(x)`` for many rows (prefill) on a CPU with native bf16 (AVX512-BF16 / AMX): the weight
+        dequantized to bf16 (int8 levels exactly; int4's ``(q - 8) * scale`` rounded to 8 significant bits, ~0.2 %
+        against int4's own ~8 % rounding), ``x`` rounded to bf16, oneDNN's bf16 GEMM accumulating in float32.
+        Measured on a 2-core Sapphire Rapids, 512 rows: 2.2--2.8x faster than the float32 dequantize-and-GEMM for
+        SmolLM-135M's matrices (docs/benchmarks.md)."""
+        if self.scale.dim() == 2:
+            w, scale = dequantize_weight_int4(self.weight, self.scale, self.group_size, torch.bfloat16), None
+        else:
+            w, scale = self.weight.to(torch.bfloat16), self.scale.float()
+        y = F.linear(x.to(torch.bfloat16), w).float()
+        if scale is not None:
+            y = y * scale
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype)
 
     @property
     def nbytes(self) -> int:

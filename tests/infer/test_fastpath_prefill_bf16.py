@@ -1,0 +1,73 @@
+"""Prefill (more than DECODE_ROWS_MAX rows) of int8 and int4 weights on a CPU with native bf16 (AVX512-BF16 /
+AMX): the weight dequantized to bf16 and oneDNN's bf16 GEMM (``Proj._bf16_gemm``), within bf16 rounding of the
+float32 dequantized product; on other CPUs, the float32 product as before."""
+from functools import partial
+
+import pytest
+import torch
+from conftest import random_model
+
+from minigpt.infer.fastpath import DECODE_ROWS_MAX, Proj, kernels, prepare
+from minigpt.model.quant import dequantize_weight, dequantize_weight_int4, quantize_weight, quantize_weight_int4
+from minigpt.runtime import native_bf16
+
+torch.set_num_threads(1)
+
+SHAPE = dict(vocab_size=61, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=96, multiple_of=16)
+make = partial(random_model, SHAPE, noise=0.05)
+needs_bf16 = pytest.mark.skipif(not native_bf16("cpu"), reason="this CPU has no native bf16 (AVX512-BF16 / AMX)")
+
+# x rounded to bf16 (relative error <= 2^-9 per value), int4 weights' (q - 8) * scale too (int8 levels are exact
+# in bf16), float32 accumulation: the product's relative error (Frobenius) stays near 2^-9; a wrong scale, group
+# or nibble order gives ~1.
+BF16_PRODUCT = 2 ** -7
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _proj(kind: str):
+    torch.manual_seed(0)
+    w, bias = torch.randn(48, 96), torch.randn(48)
+    if kind == "int8":
+        q, s = quantize_weight(w)
+        return Proj(q, s, bias), dequantize_weight(q, s), bias
+    q, s = quantize_weight_int4(w, 32)
+    return Proj(q, s, bias), dequantize_weight_int4(q, s, 32), bias
+
+
+@needs_bf16
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_many_rows_go_through_the_bf16_gemm_within_bf16_rounding(kind, monkeypatch):
+    p, dense, bias = _proj(kind)
+    x = torch.randn(DECODE_ROWS_MAX + 8, 96)
+    calls = []
+    original = Proj._bf16_gemm
+    monkeypatch.setattr(Proj, "_bf16_gemm", lambda self, x: calls.append(1) or original(self, x))
+    got = p(x)
+    assert calls and got.dtype == torch.float32 and got.shape == (DECODE_ROWS_MAX + 8, 48)
+    err = rel(got, x @ dense.T + bias)
+    assert 0 < err < BF16_PRODUCT  # 0: it would still be the float32 product
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_without_native_bf16_prefill_keeps_the_float32_product(kind, monkeypatch):
+    monkeypatch.setattr(kernels, "native_bf16", lambda device_type="cpu": False)
+    p, dense, bias = _proj(kind)
+    x = torch.randn(DECODE_ROWS_MAX + 8, 96)
+    assert torch.allclose(p(x), x @ dense.T + bias, rtol=1e-5, atol=1e-4)
+
+
+@needs_bf16
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_a_quantized_models_prefill_logits_stay_within_bf16_rounding(quantize, monkeypatch):
+    """Two layers and the head, 24 prompt tokens: the logits against the float32 dequantized prefill. Bound: twice
+    one product's, the norms rescaling rather than compounding the errors."""
+    tokens = torch.randint(0, 61, (1, 24), generator=torch.Generator().manual_seed(4))
+    fast = prepare(make(), quantize=quantize)
+    with torch.inference_mode():
+        bf16 = fast(tokens, 0, fast.new_kv_cache(1, 24))
+        monkeypatch.setattr(kernels, "native_bf16", lambda device_type="cpu": False)
+        fp32 = fast(tokens, 0, fast.new_kv_cache(1, 24))
+    assert 0 < rel(bf16, fp32) < 2 * BF16_PRODUCT
