@@ -9,7 +9,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator, Optional
 
 from minigpt.errors import MiniGPTError
 
@@ -34,9 +34,20 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def _refuse_non_dir(final: Path) -> None:
+    """Raise :class:`MiniGPTError` when ``final`` exists (or is a link, even a broken one) and is not a directory:
+    the atomic write would otherwise rename it aside and delete it."""
+    if final.is_symlink() or (final.exists() and not final.is_dir()):
+        kind = "a symbolic link" if final.is_symlink() else "an existing file, not a directory"
+        raise MiniGPTError(f"{final} is {kind}; nothing was written: remove it or choose another path")
+
+
 def begin_atomic_dir(final: str | Path) -> Path:
-    """Create and return an empty temporary sibling of ``final`` to write a directory into."""
+    """Create and return an empty temporary sibling of ``final`` to write a directory into.
+
+    Raises :class:`MiniGPTError`, before creating anything, when ``final`` exists and is not a directory."""
     final = Path(final)
+    _refuse_non_dir(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     if tmp.exists():
@@ -47,8 +58,12 @@ def begin_atomic_dir(final: str | Path) -> Path:
 
 def commit_atomic_dir(tmp: Path, final: str | Path) -> Path:
     """Write ``tmp``'s SHA-256 manifest (every file, subdirectories included), fsync everything, rename to
-    ``final``. An existing ``final`` is replaced only once the new directory is complete."""
+    ``final``. An existing ``final`` is replaced only once the new directory is complete.
+
+    Raises :class:`MiniGPTError`, before writing or renaming anything, when ``final`` exists and is not a directory
+    (a file or a symbolic link)."""
     final = Path(final)
+    _refuse_non_dir(final)
     files = sorted(p for p in tmp.rglob("*") if p.is_file() and p.name != MANIFEST)
     manifest = {str(p.relative_to(tmp)): {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
@@ -65,6 +80,84 @@ def commit_atomic_dir(tmp: Path, final: str | Path) -> Path:
     if old.exists():
         shutil.rmtree(old)
     return final
+
+
+def _unlisted(directory: Path) -> Optional[str]:
+    """The first file (relative name) under ``directory`` that its ``manifest.json`` does not list; ``manifest.json``
+    itself when it is missing or unreadable; None when the directory holds only what :func:`commit_atomic_dir`
+    wrote there."""
+    try:
+        listed = json.loads((directory / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return MANIFEST
+    if not isinstance(listed, dict):
+        return MANIFEST
+    files = sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if not p.is_dir())
+    return next((name for name in files if name != MANIFEST and name not in listed), None)
+
+
+def _check_apart(out: Path, sources: Iterable[Optional[str | Path]], inside_ok: bool = False) -> None:
+    """Raise :class:`MiniGPTError` when ``out`` is, contains or (unless ``inside_ok``) lies inside one of
+    ``sources`` (None entries skipped), symbolic links and ``..`` resolved."""
+    target = out.resolve()
+    for source in sources:
+        if source is None:
+            continue
+        src = Path(source).resolve()
+        if target == src:
+            raise MiniGPTError(f"output {out} is the source {source}; writing it would replace the source: choose "
+                               "another output path")
+        if target in src.parents:
+            raise MiniGPTError(f"output {out} contains the source {source}; writing it would delete the source: "
+                               "choose an output path outside it")
+        if not inside_ok and src in target.parents:
+            raise MiniGPTError(f"output {out} is inside the source {source}; writing it would change the source: "
+                               "choose an output path outside it")
+
+
+def check_output_dir(out: str | Path, sources: Iterable[Optional[str | Path]]) -> Path:
+    """Check, before anything is loaded or written, that the model directory ``out`` may be (re)placed by an atomic
+    write (:func:`atomic_dir`) of a model read from ``sources`` (the paths as given and as resolved; None skipped).
+    Returns ``out`` as a :class:`Path`.
+
+    Raises :class:`MiniGPTError` naming ``out`` when it is one of the sources, lies inside one or contains one
+    (symbolic links and ``..`` resolved); when it is an existing file or a symbolic link; or when it is a non-empty
+    directory holding a file its ``manifest.json`` does not list (a directory of the user's own files, or one that
+    :func:`commit_atomic_dir` did not write): the write would delete it. A missing or empty directory, or an earlier
+    output of this project (re-running a conversion to the same path), may be replaced.
+    """
+    out = Path(out)
+    _check_apart(out, sources)
+    if out.is_symlink():
+        raise MiniGPTError(f"output {out} is a symbolic link; it would be replaced by a directory: give the "
+                           "directory it points to, or another path")
+    if out.exists() and not out.is_dir():
+        raise MiniGPTError(f"output {out} is an existing file, not a directory; it would be replaced: choose "
+                           "another output directory or remove the file")
+    if out.is_dir() and any(out.iterdir()) and (name := _unlisted(out)) is not None:
+        why = "has no manifest.json" if name == MANIFEST else f"holds {name}, which its manifest.json does not list"
+        raise MiniGPTError(f"output {out} is a non-empty directory that minigpt did not write ({why}); it would be "
+                           "replaced and its files deleted: choose a new or empty directory, or remove it")
+    return out
+
+
+def check_output_file(path: str | Path, sources: Iterable[Optional[str | Path]]) -> Path:
+    """Check, before anything is loaded or written, that the single file ``path`` (e.g. a ``.gguf``) may be
+    written from ``sources``. An existing regular file is overwritten, as llama.cpp's converter does, and a new file
+    may go inside a source directory (llama.cpp's default place for it). Returns ``path`` as a :class:`Path`.
+
+    Raises :class:`MiniGPTError` naming ``path`` when it is one of the sources or contains one (symbolic links and
+    ``..`` resolved), is a directory, or lies under an existing file.
+    """
+    path = Path(path)
+    _check_apart(path, sources, inside_ok=True)
+    if path.is_dir():
+        raise MiniGPTError(f"output {path} is a directory; choose a file path (ending in .gguf) or remove it")
+    parent = next((p for p in path.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise MiniGPTError(f"output {path} lies under {parent}, an existing file, not a directory: choose another "
+                           "output path")
+    return path
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 from safetensors.torch import save_file
 
+from minigpt.checkpoint.atomic import check_output_file
 from minigpt.checkpoint.native import atomic_dir, load_chat_template, load_model, load_tokenizer, model_state_dict
 from minigpt.checkpoint.tokenizer_bos import adds_bos, template_prefix
 from minigpt.errors import MiniGPTError
@@ -181,12 +182,13 @@ def export_gguf(source: str | Path, out: str | Path, dtype: str = "float32") -> 
     """Write ``source`` as a llama GGUF (``dtype``: float32 / float16 / bfloat16 / q8_0) with its tokenizer.
 
     ``out`` ending in ``.gguf`` is the file; otherwise it is a directory that receives ``model.gguf``. Returns the
-    file written.
+    file written. An existing file there is overwritten (as llama.cpp's converter does), but before the model is
+    loaded :func:`~minigpt.checkpoint.atomic.check_output_file` raises :class:`MiniGPTError` for a file that is the
+    source itself, a directory in its place, or a path under an existing file.
     """
-
-    model = _float_model(source)
     out = Path(out)
-    path = out if out.suffix == ".gguf" else out / "model.gguf"
+    path = check_output_file(out if out.suffix == ".gguf" else out / "model.gguf", [source])
+    model = _float_model(source)
     vocab = None
     try:
         tokenizer = load_tokenizer(source)

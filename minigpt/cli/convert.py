@@ -13,7 +13,11 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     layers whose width does not divide into groups stay int8) and save it with its tokenizer, special-token roles,
     stop ids and chat template; every command that takes a checkpoint loads the result as is. Prints the tensor
     bytes before and after (a tied embedding / LM head counted once).
+
+    OUT may be new, empty, or an earlier output of minigpt (re-running replaces it); OUT that is, holds or lies
+    inside the source, a file, or a directory of other files is refused before anything is read or written.
     """
+    from minigpt.checkpoint.atomic import check_output_dir
     from minigpt.checkpoint.native import load_chat_template, load_model, load_tokenizer, resolve_checkpoint
     from minigpt.checkpoint.quantized import save_quantized
     from minigpt.model.quant import SCHEMES, quant_config, quantize_model, tensor_bytes
@@ -25,6 +29,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise MiniGPTError(str(e)) from None
     src = resolve_checkpoint(args.ckpt)
+    check_output_dir(args.out, [args.ckpt, src])  # nothing of the source or of the user's is replaced
     model = load_model(src)
     before = tensor_bytes(model)
     try:  # a layer whose input width the group size does not divide stays int8; nothing else is refused here
@@ -48,12 +53,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     MixtralForCausalLM for a mixture of experts with experts on every layer and no shared expert; config.json, safetensors, sharded above --max-shard-size,
     generation_config.json, tokenizer files) that transformers loads offline. --format gguf writes a llama GGUF
     (OUT ending in .gguf is the file, else OUT/model.gguf) in float32, float16, bfloat16 or q8_0.
+
+    OUT may be new, empty, or an earlier output of minigpt; a GGUF file may also replace an existing file. OUT that
+    is, holds or lies inside the source, a file in place of the directory, or a directory of other files is refused
+    before anything is read or written.
     """
+    from minigpt.checkpoint.atomic import check_output_dir
     from minigpt.checkpoint.convert import export_gguf, export_hf
     from minigpt.checkpoint.native import resolve_checkpoint
 
     src = resolve_checkpoint(args.ckpt)
     if args.format == "hf":
+        check_output_dir(args.out, [args.ckpt, src])
         path = export_hf(src, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)
     else:
         path = export_gguf(src, args.out, dtype=args.dtype)
@@ -67,14 +78,18 @@ def cmd_import(args: argparse.Namespace) -> int:
     SRC: a Hugging Face directory (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM;
     single-file or sharded safetensors; fp32/fp16/bf16), a llama or qwen2 GGUF file, or a llama2.c .bin checkpoint
     (its tokenizer.model / tok*.bin is taken from the same folder). Every command that takes a checkpoint also accepts
-    SRC directly.
+    SRC directly. OUT may be new, empty, or an earlier output of minigpt; OUT that is, holds or lies inside SRC (or
+    --tokenizer), a file, or a directory of other files is refused before anything is read or written.
     """
     import torch
 
+    from minigpt.checkpoint.atomic import check_output_dir
     from minigpt.checkpoint.native import import_model, resolve_checkpoint
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    path = import_model(resolve_checkpoint(args.src), args.out, args.tokenizer, dtypes[args.dtype])
+    src = resolve_checkpoint(args.src)
+    check_output_dir(args.out, [args.src, src, args.tokenizer])
+    path = import_model(src, args.out, args.tokenizer, dtypes[args.dtype])
     print(f"wrote {path}")
     return 0
 
