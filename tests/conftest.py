@@ -40,6 +40,17 @@ def tiny_data(tmp_path_factory) -> Path:
 TINY_MODEL = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64, "multiple_of": 16}
 
 
+@pytest.fixture
+def float32_prefill(monkeypatch):
+    """The fast path's float32 dequantized GEMM for many int8/int4 rows even on CPUs with native bf16, where it
+    otherwise runs in bf16 (``Proj._bf16_gemm``, tested with its own bound in
+    tests/infer/test_fastpath_prefill_bf16.py): for tests that compare with the float32 model at float32
+    tolerances."""
+    from minigpt.infer.fastpath import kernels
+
+    monkeypatch.setattr(kernels, "native_bf16", lambda device_type="cpu": False)
+
+
 def random_model(shape: dict, seed: int = 0, *, noise: float = 0.0, norm_noise: float | None = None, **overrides):
     """The one tiny random model of the test suite: ``Transformer(ModelConfig(**{**shape, **overrides}))`` built
     after ``torch.manual_seed(seed)``, in eval mode.

@@ -57,7 +57,7 @@ _model = partial(random_model, SHAPE)
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_quantized_checkpoint_round_trip(tmp_path, tied):
+def test_quantized_checkpoint_round_trip(tmp_path, tied, float32_prefill):
     model = _model(tie_embeddings=tied, attention_bias=True)
     quantize_model(model)
     assert is_quantized(model) and isinstance(model.output, Int8Linear)

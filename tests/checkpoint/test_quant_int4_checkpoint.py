@@ -21,7 +21,7 @@ _model = partial(random_model, SHAPE)
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_int4_checkpoint_round_trip_is_bit_exact(tmp_path, tied):
+def test_int4_checkpoint_round_trip_is_bit_exact(tmp_path, tied, float32_prefill):
     model = quantize_model(_model(tie_embeddings=tied, attention_bias=True), METHOD_INT4)
     assert isinstance(model.layers[0].attention.wq, Int4Linear)
     assert isinstance(model.layers[0].feed_forward.w2, Int8Linear) and isinstance(model.output, Int8Linear)

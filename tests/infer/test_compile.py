@@ -106,7 +106,7 @@ def test_compiled_int8_and_bf16_steps():
                 assert (outs[0] - ref).abs().max() < tol and (outs[1] - ref).abs().max() < tol
 
 
-def test_compiled_int8_step_above_the_matrix_vector_batch():
+def test_compiled_int8_step_above_the_matrix_vector_batch(float32_prefill):
     """More rows than DECODE_ROWS_MAX: the compiled int8 step unpacks the words into a matrix for one GEMM, and
     must still equal the eager int8 path row for row."""
     from minigpt.infer.fastpath import DECODE_ROWS_MAX

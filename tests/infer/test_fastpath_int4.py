@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import random_model
 
-from minigpt.infer.fastpath import DECODE_ROWS_MAX, Proj, decode_linear, int8_words, kernels, prepare
+from minigpt.infer.fastpath import DECODE_ROWS_MAX, Proj, decode_linear, int8_words, prepare
 from minigpt.infer.generate import generate_tokens
 from minigpt.infer.sampling import SamplingParams
 from minigpt.model.quant import METHOD_INT4, dequantize_weight_int4, quantize_model, quantize_weight_int4
@@ -21,19 +21,11 @@ SHAPE = dict(vocab_size=61, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq
 make = partial(random_model, SHAPE, noise=0.05)
 
 
-def float32_prefill(monkeypatch):
-    """The float32 dequantized GEMM for many rows even on CPUs with native bf16, where prefill otherwise runs in
-    bf16 (``Proj._bf16_gemm``, tested with its own bound in test_fastpath_prefill_bf16): these tests compare with
-    the float32 model at float32 tolerances."""
-    monkeypatch.setattr(kernels, "native_bf16", lambda device_type="cpu": False)
-
-
-def test_int4_word_kernel_equals_dequantized_product(monkeypatch):
+def test_int4_word_kernel_equals_dequantized_product(float32_prefill):
     """decode_linear over an int4 Proj reads the packed bytes as float32 words (8 nibbles each) and must equal x
     times the dequantized matrix: eagerly for 1 row (per-row reductions) and compiled, as the decode step compiles
     it, for DECODE_ROWS_MAX + 1 rows (one GEMM on the unpacked matrix; the compiled per-row reductions are in the
     decode test below). Groups of 16 (two words a group; the decode test below has 32, Q4_0's four)."""
-    float32_prefill(monkeypatch)
     torch.manual_seed(0)
     w = torch.randn(40, 96)
     packed, scale = quantize_weight_int4(w, 16)
@@ -49,10 +41,9 @@ def test_int4_word_kernel_equals_dequantized_product(monkeypatch):
         torch.testing.assert_close(Proj(packed, scale, bias)(x), want, atol=1e-4, rtol=1e-5)  # eager
 
 
-def test_compiled_int4_decode_equals_eager_int4(monkeypatch):
+def test_compiled_int4_decode_equals_eager_int4(float32_prefill):
     """The compiled int4 step (batch 2, fused wqkv / w13 of packed rows) equals the eager int4 fast path and the
     quantized model's own forward, step by step."""
-    float32_prefill(monkeypatch)
     tokens = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         ref = quantize_model(make(), METHOD_INT4)(tokens)[:, 8:]
