@@ -39,6 +39,7 @@ from minigpt.model.quant import (
     quantize_weight_int4,
 )
 from minigpt.model.transformer import Transformer
+from minigpt.tokenizer.chat_template import TemplateText, template_from_config
 from minigpt.tokenizer.interop import build_tokenizer, read_llama2c_tokenizer
 from minigpt.tokenizer.roles import roles_from_gguf
 from minigpt.tokenizer.tokenizer import Tokenizer, TokenizerMissing
@@ -341,17 +342,29 @@ def load_tokenizer(source: str | Path) -> Tokenizer:
 
 
 def load_chat_template(source: str | Path) -> Optional[str]:
-    """The chat template (a Jinja string) stored with a model source, or None."""
+    """The chat template (a Jinja string) stored with a model source, or None: a GGUF's ``tokenizer.chat_template``,
+    a directory's ``chat_template.jinja``, else the ``chat_template`` of its ``tokenizer_config.json`` (a string,
+    or Hugging Face's list of named templates: :func:`~minigpt.tokenizer.chat_template.template_from_config`).
+    The string is a :class:`~minigpt.tokenizer.chat_template.TemplateText` that names the file it came from.
+
+    Raises :class:`MiniGPTError` (naming the file) for a template that is neither a string nor that list (or a list
+    without a ``default`` template), and for a ``chat_template.jinja`` that is not UTF-8 text.
+    """
     source = Path(source)
     if source.is_file() and source.suffix == ".gguf":
-
         vocab = read_vocab(source)
-        return vocab.chat_template if vocab else None
+        value = vocab.chat_template if vocab else None
+        return template_from_config(value, f"{source} (tokenizer.chat_template)")
     if source.is_dir():
-        if (source / "chat_template.jinja").is_file():
-            return (source / "chat_template.jinja").read_text(encoding="utf-8")
-        if (source / "tokenizer_config.json").is_file():
-            return _read_json(source / "tokenizer_config.json").get("chat_template")
+        jinja = source / "chat_template.jinja"
+        if jinja.is_file():
+            try:
+                return TemplateText(jinja.read_text(encoding="utf-8"), str(jinja))
+            except UnicodeDecodeError as e:
+                raise MiniGPTError(f"{jinja} is not UTF-8 text ({e}); fix or delete it") from None
+        config = source / "tokenizer_config.json"
+        if config.is_file():
+            return template_from_config(_read_json(config).get("chat_template"), str(config))
     return None
 
 

@@ -16,6 +16,7 @@ the server's ``/v1/completions``.
 """
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Optional, TextIO
@@ -29,6 +30,9 @@ from minigpt.infer.stops import default_stop_ids
 from minigpt.runtime import DTYPES, pick_device
 from minigpt.tokenizer.chat_template import ChatTemplate, TemplateRejected
 from minigpt.tokenizer.tokenizer import Tokenizer
+
+# Lone surrogates: the bytes of an input line that are not UTF-8 (stdin decodes them with surrogateescape).
+_SURROGATES = re.compile("[\ud800-\udfff]")
 
 
 def prompt_bos(source: str | Path, tokenizer: Tokenizer) -> bool:
@@ -88,6 +92,10 @@ def run_chat(source: str, max_tokens: int = 256, temperature: float = 0.8, top_k
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)
     interactive = stdin.isatty()
+    if callable(getattr(stdin, "reconfigure", None)):
+        # A line that is not UTF-8 then reaches the template as surrogates and is refused alone (TemplateRejected),
+        # instead of a UnicodeDecodeError ending the conversation in a locale whose stdin decodes strictly.
+        stdin.reconfigure(errors="surrogateescape")
     out = stdout
     out.write(f"chatting with {ckpt} ({context}-token context). /reset clears the conversation, /quit leaves.\n")
     turn = 0
@@ -101,7 +109,8 @@ def run_chat(source: str, max_tokens: int = 256, temperature: float = 0.8, top_k
                 break
             text = line.rstrip("\n")
             if not interactive:
-                out.write(text + "\n")  # echo piped input so a transcript reads like a session
+                # Echo piped input so a transcript reads like a session (bytes that are not UTF-8 as U+FFFD).
+                out.write(_SURROGATES.sub("\ufffd", text) + "\n")
             command = text.strip()
             if command == "/quit":
                 break

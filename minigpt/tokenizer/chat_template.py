@@ -32,9 +32,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from minigpt.errors import MiniGPTError
+from minigpt.errors import MiniGPTError, one_line
 from minigpt.tokenizer.interop import build_tokenizer, vocab_from_file
-from minigpt.tokenizer.tokenizer import Tokenizer
+from minigpt.tokenizer.tokenizer import InvalidText, Tokenizer, check_text
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 CHAT_TOKENS = (IM_START, IM_END)
@@ -73,7 +73,66 @@ _PROBE = "minigptEndOfTurnProbe"
 
 class TemplateRejected(MiniGPTError):
     """The chat template refused these messages (its ``raise_exception``, e.g. roles that do not alternate), or a
-    message holds the characters that mark generation blocks: the caller's input, not the model, is at fault."""
+    message holds the characters that mark generation blocks or is not valid UTF-8: the caller's input, not the
+    model, is at fault."""
+
+
+class TemplateFailed(TemplateRejected):
+    """Rendering the model's chat template raised something other than a Jinja error (``{{ 1/0 }}``: a
+    ZeroDivisionError; a ``range`` beyond the sandbox's limit: an OverflowError). The template is at fault, but for
+    these messages only: it is a :class:`TemplateRejected`, so that those who answer a rejection (the server: 400;
+    ``minigpt chat``: the turn is refused, the conversation kept) answer this one the same way."""
+
+
+class TemplateText(str):
+    """A chat template's Jinja text as a model's files hold it (``load_chat_template``): a ``str`` that also says
+    where it was read (``origin``, named in error messages) and holds the other templates of Hugging Face's
+    multi-template layout by name (``named``, e.g. ``{"tool_use": ...}``); the text itself is the ``default``
+    one. Anything that takes a template string takes it."""
+
+    origin: str
+    named: dict[str, str]
+
+    def __new__(cls, text: str, origin: str = "", named: Optional[dict[str, str]] = None) -> "TemplateText":
+        self = super().__new__(cls, text)
+        self.origin, self.named = origin, dict(named or {})
+        return self
+
+    def __reduce__(self):
+        return TemplateText, (str(self), self.origin, self.named)
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def template_from_config(value: Any, origin: str) -> Optional[TemplateText]:
+    """The chat template of a ``chat_template`` value read from ``origin`` (a file, for messages): None, a string,
+    or Hugging Face's multi-template layout, a list of ``{"name", "template"}`` objects (or a ``{name: template}``
+    object), as ``transformers`` saves a tokenizer with several templates. Of those, the one named ``default`` is
+    the template for chat; ``tool_use`` is kept in :attr:`TemplateText.named` for prompts with tools (the choice of
+    ``transformers``' ``get_chat_template``).
+
+    Raises :class:`MiniGPTError` (naming ``origin``) for any other value, an entry that is not a pair of strings,
+    and a layout without a ``default`` template.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return TemplateText(value, origin)
+    layout = "a list of {\"name\": ..., \"template\": ...} objects"
+    if isinstance(value, list):
+        if not all(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+                   for t in value):
+            raise MiniGPTError(f"'chat_template' in {origin} must be a string or {layout}, not {_shown(value)}")
+        value = {t["name"]: t["template"] for t in value}
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise MiniGPTError(f"'chat_template' in {origin} must be a string or {layout}, not {_shown(value)}")
+    if "default" not in value:
+        raise MiniGPTError(f"'chat_template' in {origin} has templates named {sorted(value)} but none named "
+                           "'default', the one for chat; name one of them 'default'")
+    return TemplateText(value["default"], origin, {k: v for k, v in value.items() if k != "default"})
 
 
 def _environment():
@@ -154,26 +213,46 @@ class ChatTemplate:
     template or the plain fallback). ``stop``: strings that end an assistant turn besides its end-of-turn token.
     ``end_of_turn_id``: the special token the template closes an assistant turn with, or None.
 
-    Raises :class:`MiniGPTError` for a template that does not compile, :class:`TemplateRejected` when it rejects the
-    messages (its ``raise_exception``), and :class:`MiniGPTError` when (without generation blocks) it is not
-    prefix-stable.
+    A :class:`TemplateText` (a model's own, ``load_chat_template``) is named by its origin in error messages, and
+    its ``tool_use`` template, if any, renders the prompts given ``tools`` (as ``transformers`` picks it).
+
+    Raises :class:`MiniGPTError` for a template that is not a string or does not compile, :class:`TemplateRejected`
+    when it rejects the messages (its ``raise_exception``, a Jinja error) or they are not valid UTF-8,
+    :class:`TemplateFailed` (a :class:`TemplateRejected`) when rendering raises anything else (``{{ 1/0 }}``), and
+    :class:`MiniGPTError` when (without generation blocks) it is not prefix-stable. A template that loops for long
+    (nested ``range(99999)``) is not stopped, as in ``transformers``.
     """
 
     def __init__(self, tokenizer: Tokenizer, template: Optional[str] = None, stop: Sequence[str] = ()) -> None:
-        from jinja2 import TemplateSyntaxError
-
         self.tokenizer = tokenizer
+        origin = getattr(template, "origin", "")
+        self._of = f" of {origin}" if origin else ""
+        if template is not None and not isinstance(template, str):
+            raise MiniGPTError(f"the chat template{self._of} must be a string, not {_shown(template)}")
         self.source = template or CHATML_TEMPLATE
-        try:
-            self._template = _environment().from_string(self.source)
-        except TemplateSyntaxError as e:
-            raise MiniGPTError(f"the chat template does not compile: {e} (line {e.lineno})") from None
+        self._template = self._compile(self.source, "")
+        tool_use = getattr(template, "named", {}).get("tool_use")
+        self._tool_template = self._compile(tool_use, "tool_use") if tool_use is not None else None
         self._hf = tokenizers_backend(tokenizer)
         self._variables = {f"{name}_token": self._token_text(getattr(tokenizer, f"{name}_id"))
                            for name in ("bos", "eos", "pad", "unk")}
         self._stop = tuple(stop)
         # Found once here, so that threads sharing the template (the server's) only ever read it.
         self.end_of_turn_id: Optional[int] = self._find_end_of_turn()
+
+    def _compile(self, source: str, name: str):
+        """The compiled Jinja template of ``source`` (``name``: which of a model's templates, for messages)."""
+        from jinja2 import TemplateSyntaxError
+
+        which = f" '{name}'" if name else ""
+        try:
+            return _environment().from_string(source)
+        except TemplateSyntaxError as e:
+            raise MiniGPTError(f"the chat template{which}{self._of} does not compile: {one_line(e)} "
+                               f"(line {e.lineno})") from None
+        except Exception as e:  # a RecursionError for deep nesting, a TypeError for a non-string
+            raise MiniGPTError(f"the chat template{which}{self._of} does not compile: {type(e).__name__}: "
+                               f"{one_line(e)}") from None
 
     @classmethod
     def for_model(cls, tokenizer: Tokenizer, template: Optional[str]) -> "ChatTemplate":
@@ -220,16 +299,27 @@ class ChatTemplate:
                     tools: Optional[list[dict]] = None) -> str:
         from jinja2 import TemplateError
 
-        for m in messages:
+        for i, m in enumerate(messages):
             if any(c in str(m.get("content", "")) for c in (_OPEN, _CLOSE)):
                 raise TemplateRejected("a message contains the private-use characters U+F8F0/U+F8F1, which mark "
                                    "generation blocks")
+            if isinstance(m.get("content"), str):
+                try:
+                    check_text(m["content"])
+                except InvalidText as e:
+                    raise TemplateRejected(f"message {i + 1} ({m.get('role')}): {e}") from None
+        # transformers' get_chat_template: the tool_use template when tools are given and the model has one.
+        use_tools = tools is not None and self._tool_template is not None
+        template, which = (self._tool_template, " 'tool_use'") if use_tools else (self._template, "")
         try:
             # tools and documents are always defined (None when absent), as apply_chat_template renders them.
-            return self._template.render(messages=messages, tools=tools, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **self._variables)
+            return template.render(messages=messages, tools=tools, documents=None,
+                                   add_generation_prompt=add_generation_prompt, **self._variables)
         except TemplateError as e:
-            raise TemplateRejected(f"the chat template rejected the messages: {e}") from None
+            raise TemplateRejected(f"the chat template{which}{self._of} rejected the messages: {one_line(e)}") from None
+        except Exception as e:  # whatever the model's template raises is reported, never a crash
+            raise TemplateFailed(f"the chat template{which}{self._of} failed while rendering: {type(e).__name__}: "
+                                 f"{one_line(e)}") from None
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
                tools: Optional[list[dict]] = None) -> str:
@@ -270,12 +360,17 @@ class ChatTemplate:
     def encode(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
                tools: Optional[list[dict]] = None) -> list[int]:
         """Token ids of the rendered ``messages`` (no BOS/EOS beyond what the template writes), as
-        ``AutoTokenizer.apply_chat_template(messages, tools=tools, tokenize=True)``."""
-        return self._hf.encode(self.render(messages, add_generation_prompt, tools), add_special_tokens=False).ids
+        ``AutoTokenizer.apply_chat_template(messages, tools=tools, tokenize=True)``. Raises :class:`InvalidText`
+        when the rendered text is not valid UTF-8 (the tools, say), besides what :meth:`render` raises."""
+        text = self.render(messages, add_generation_prompt, tools)
+        check_text(text)
+        return self._hf.encode(text, add_special_tokens=False).ids
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of plain ``text`` with the added tokens recognised, as ``transformers``'
-        ``tokenizer(text, add_special_tokens=False)`` (TRL tokenizes non-conversational prompts this way)."""
+        ``tokenizer(text, add_special_tokens=False)`` (TRL tokenizes non-conversational prompts this way). Raises
+        :class:`InvalidText` when ``text`` is not valid UTF-8."""
+        check_text(text)
         return self._hf.encode(text, add_special_tokens=False).ids
 
     def encode_with_mask(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[bool]]:
@@ -283,6 +378,7 @@ class ChatTemplate:
         assistant turn. A token counts when its characters overlap a span (``transformers`` maps a span's first
         and last characters to tokens the same way, ``char_to_token``)."""
         text, spans = self.render_with_spans(messages)
+        check_text(text)
         encoding = self._hf.encode(text, add_special_tokens=False)
         mask = [any(s < end and e > start for start, end in spans) for s, e in encoding.offsets]
         return encoding.ids, mask

@@ -76,12 +76,18 @@ def _read(path: Path) -> Optional[dict]:
     return d
 
 
-def _content(value) -> Optional[str]:
-    """A special token as written in tokenizer_config.json / special_tokens_map.json: a string or an AddedToken
-    dict (``{"content": ...}``)."""
-    if isinstance(value, dict):
-        return value.get("content")
-    return value if isinstance(value, str) else None
+def _content(value, key: str, where: Path) -> Optional[str]:
+    """A special token as written in tokenizer_config.json / special_tokens_map.json: a string, an AddedToken
+    dict (``{"content": "..."}``) or null (none). Raises :class:`MiniGPTError` naming ``where`` and ``key`` for
+    anything else (a number, a list, a dict whose ``content`` is not a string)."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    shown = json.dumps(value, ensure_ascii=False, default=str)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    raise MiniGPTError(f"'{key}' in {where} must be the token's text, an AddedToken object "
+                       f'{{"content": "<text>", ...}} or null, not {shown}; fix that file')
 
 
 def _ids(value) -> tuple[int, ...]:
@@ -99,21 +105,25 @@ def roles_from_dir(directory: Union[str, Path], token_to_id: Callable[[str], Opt
     """The roles declared by the Hugging Face side files of ``directory`` (none present: everything UNSET).
 
     A token named in a file but absent from the vocabulary counts as no token. Raises :class:`MiniGPTError` for a
-    side file that is not a JSON object.
+    side file that is not a JSON object, and for a ``bos_token`` / ``eos_token`` / ``pad_token`` / ``unk_token``
+    that is neither a string, an AddedToken dict with a string ``content`` nor null (the message names the file and
+    the key).
     """
     directory = Path(directory)
-    config = _read(directory / "tokenizer_config.json") or {}
-    special_map = _read(directory / "special_tokens_map.json")
+    config_path, map_path = directory / "tokenizer_config.json", directory / "special_tokens_map.json"
+    config = _read(config_path) or {}
+    special_map = _read(map_path)
     generation = _read(directory / "generation_config.json")
     model_config = _read(directory / "config.json") or {}
-    declared = dict(config)
+    declared = {k: (v, config_path) for k, v in config.items()}
     if special_map is not None and "added_tokens_decoder" not in config:
-        declared.update({k: v for k, v in special_map.items() if k.endswith("_token")})
+        declared.update({k: (v, map_path) for k, v in special_map.items() if k.endswith("_token")})
     roles = TokenRoles(source=str(directory))
     for role in ("bos", "eos", "pad", "unk"):
         key = f"{role}_token"
         if key in declared:
-            text = _content(declared[key])
+            value, where = declared[key]
+            text = _content(value, key, where)
             setattr(roles, role, token_to_id(text) if text is not None else None)
     # The ids of generation_config.json / config.json name BOS and pad too when the tokenizer files are silent.
     for role in ("bos", "pad"):

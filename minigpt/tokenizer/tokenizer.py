@@ -49,6 +49,27 @@ class TokenizerMissing(MiniGPTError):
     """A model source has no tokenizer at all (as opposed to one that cannot be read)."""
 
 
+class InvalidText(MiniGPTError, ValueError):
+    """Text that is not valid Unicode, so no tokenizer can encode it: it holds lone surrogates, which is how Python
+    carries bytes that are not UTF-8 (a command-line argument or piped input, decoded with ``surrogateescape``)."""
+
+
+def check_text(text: str) -> None:
+    """Raise :class:`InvalidText` when ``text`` cannot be encoded as UTF-8 (it holds a lone surrogate); the message
+    names the first offending byte (U+DC80..U+DCFF: an undecodable input byte) or code point, and its position."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        if 0xDC80 <= code <= 0xDCFF:
+            raise InvalidText(f"the text is not valid UTF-8 (byte 0x{code - 0xDC00:02x} at position {e.start}); "
+                              "give it in UTF-8 (e.g. convert it with iconv)") from None
+        raise InvalidText(f"the text is not valid Unicode (a lone surrogate U+{code:04X} at position {e.start}); "
+                          "surrogates must come in pairs") from None
+
+
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> "Tokenizer":
     """Learn a byte-level BPE tokenizer from ``texts``.
 
@@ -335,7 +356,10 @@ class Tokenizer:
 
         Raises:
             ValueError: ``bos``/``eos`` requested but the tokenizer has no such token.
+            InvalidText: ``text`` is not valid UTF-8 (a :class:`MiniGPTError` and a ``ValueError``; checked before
+                the back end sees it).
         """
+        check_text(text)
         if special:
             ids = self._encode_special(text)
         elif self._sp is not None:
@@ -378,8 +402,11 @@ class Tokenizer:
         return ids
 
     def encode_batch(self, texts: List[str]) -> List[List[int]]:
-        """``[encode(t) for t in texts]`` without BOS/EOS, computed in parallel by the back end."""
+        """``[encode(t) for t in texts]`` without BOS/EOS, computed in parallel by the back end. Raises
+        :class:`InvalidText` when a text is not valid UTF-8."""
         texts = list(texts)
+        for text in texts:
+            check_text(text)
         if self._sp is not None:
             return self._sp.encode(texts)
         batch = getattr(self._hf, "encode_batch_fast", None) or self._hf.encode_batch  # _fast skips offsets
