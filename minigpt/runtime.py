@@ -24,16 +24,25 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def pick_device(name: str) -> torch.device:
-    """``auto`` picks cuda, then mps, then cpu. Raises :class:`MiniGPTError` for ``cuda`` without CUDA."""
+    """``auto`` picks cuda, then mps, then cpu. Raises :class:`MiniGPTError` for ``cuda`` without CUDA and for a
+    name that is not ``cpu``, ``cuda``, ``cuda:N`` or ``mps``."""
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
         if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        raise MiniGPTError(f"--device {name!r} is not a device this can run on; use auto, cpu, cuda, cuda:N or mps")
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise MiniGPTError(f"--device {name} requested but CUDA is not available; use --device cpu")
-    return torch.device(name)
+    if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise MiniGPTError(f"--device {name} requested but MPS is not available; use --device cpu")
+    return device
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*(?:([kmgt])(i?))?b?\s*$", re.IGNORECASE)

@@ -38,7 +38,7 @@ def score(path: str, data: str, batch_size: int, limit: int) -> dict[str, float]
     records = read_preferences(data, False, report)
     eos_text = tokenizer.decode([tokenizer.eos_id]) if tokenizer.eos_id is not None else None
     pairs = load_preference_dataset(data, template, model.config.max_seq_len, eos_text, False, report,
-                                    records)[:limit]
+                                    records, tokenizer.eos_id)[:limit]
     print(report.summary(data, "pairs"), file=sys.stderr)
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else (tokenizer.eos_id or 0)
     chosen, rejected, n_chosen, n_rejected = [], [], [], []

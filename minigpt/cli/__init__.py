@@ -31,13 +31,15 @@ def main(argv: list[str] | None = None) -> int:
     except MiniGPTError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader closed early (`| head`): an OSError, so caught before those
+        # Python would otherwise report the failed flush of stdout at exit (its signal-handling docs' recipe).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ValueError, OSError) as e:  # anything else a user can cause; MINIGPT_DEBUG=1 shows the traceback
         if os.environ.get("MINIGPT_DEBUG"):
             raise
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    except BrokenPipeError:
-        return 0
 
 
 if __name__ == "__main__":

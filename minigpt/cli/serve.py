@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import sys
 from typing import Optional
@@ -49,6 +50,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if getattr(args, name) < (1 if name == "max_batch_size" else 0):
             raise MiniGPTError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     _check_context(args.context)
+    if not 0 <= args.port <= 65535:
+        raise MiniGPTError(f"--port must be between 0 and 65535 (0: any free port), got {args.port}")
+    for name in ("request_timeout", "shutdown_timeout"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise MiniGPTError(f"--{name.replace('_', '-')} must be a number of seconds >= 0, got {value}")
     max_body_bytes = parse_size(args.max_body_bytes, "--max-body-bytes", minimum=1024)
     if args.no_prefix_cache and args.prefix_cache_bytes is not None:
         raise MiniGPTError("--no-prefix-cache and --prefix-cache-bytes contradict each other; give one")

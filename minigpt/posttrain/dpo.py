@@ -231,12 +231,12 @@ class DPO(PostTraining):
         eos_text = tok.decode([tok.eos_id]) if tok.eos_id is not None else None
         self.seq_len = min(cfg.seq_len or model.config.max_seq_len, model.config.max_seq_len)
         self.train_pairs = load_preference_dataset(cfg.data, template, self.seq_len, eos_text, cfg.strict, report,
-                                                   records)
+                                                   records, tok.eos_id)
         self.say(report.summary(cfg.data, "pairs"), flush=True)
         self.val_pairs: list[PreferencePair] = []
         if cfg.val_data:
             self.val_pairs = load_preference_dataset(cfg.val_data, template, self.seq_len, eos_text, cfg.strict,
-                                                     val_report, val_records)[: cfg.max_val_pairs]
+                                                     val_report, val_records, tok.eos_id)[: cfg.max_val_pairs]
             self.say(val_report.summary(cfg.val_data, "pairs"), flush=True)
         return len(self.train_pairs)
 

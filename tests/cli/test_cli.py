@@ -1,8 +1,12 @@
 """The command line: one clear `error: ...` line and exit status 1 for each user mistake; generation end to end."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
-from conftest import TINY_MODEL, assert_one_line_error, run_cli
+from conftest import CLI_ENV, TINY_MODEL, assert_one_line_error, run_cli
 
 from minigpt.checkpoint.native import save_pretrained
 from minigpt.model.config import ModelConfig
@@ -93,3 +97,36 @@ def test_generate_from_hf_directory_with_sentencepiece(shared_data):
 def test_help_comes_from_docstrings():
     proc = run_cli("train", "--help")
     assert proc.returncode == 0 and "AdamW, warmup + cosine" in proc.stdout
+
+
+@pytest.mark.parametrize("device", ["bogus", "meta", "cuda:x"])
+def test_a_device_that_cannot_run_is_one_line(tiny_ckpt, device):
+    """`--device bogus` was torch's RuntimeError traceback, `--device meta` one from `.item()` mid-generation."""
+    proc = run_cli("generate", tiny_ckpt, "--prompt", "a", "--max-new-tokens", 2, "--device", device)
+    assert_one_line_error(proc, f"--device {device!r} is not a device this can run on")
+
+
+@pytest.mark.parametrize("option,value,fragment", [("--port", 99999, "--port must be between 0 and 65535"),
+                                                   ("--port", -1, "--port must be between 0 and 65535"),
+                                                   ("--request-timeout", "nan", "--request-timeout must be"),
+                                                   ("--shutdown-timeout", -5, "--shutdown-timeout must be")])
+def test_serve_refuses_a_bad_port_or_timeout_before_loading(tiny_ckpt, option, value, fragment):
+    """`--port 99999` was an OverflowError traceback from bind(); `--request-timeout nan` was accepted."""
+    proc = run_cli("serve", tiny_ckpt, option, value)
+    assert_one_line_error(proc, fragment)
+
+
+def test_a_reader_closing_the_pipe_early_is_not_an_error(tiny_ckpt):
+    """`minigpt generate ... | head -c 5`: the BrokenPipeError branch came after the OSError one, so the CLI
+    printed "error: BrokenPipeError" and exited 1. Here the reader is gone before the first write."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "minigpt", "generate", str(tiny_ckpt), "--prompt", "a",
+                               "--max-new-tokens", "20"], stdout=write_end, stderr=subprocess.PIPE, env=CLI_ENV,
+                              timeout=300)
+    finally:
+        os.close(write_end)
+    stderr = proc.stderr.decode()
+    assert proc.returncode == 0, stderr
+    assert "Error" not in stderr and "Exception" not in stderr, stderr

@@ -371,3 +371,25 @@ def test_real_dpo_steps(tmp_path, shared_data, base):
     last = dpo(DPOConfig(model=str(base[0]), data=str(head), out_dir=str(tmp_path / "out"), max_steps=2,
                          batch_size=4, device="cpu", lora_rank=2, precompute_ref=True))
     assert last["step"] == 2 and math.isfinite(last["loss"])
+
+
+def test_standard_string_pairs_end_with_a_sentencepiece_eos_id(tmp_path, shared_data):
+    """SentencePiece's ``</s>`` is a control piece that decodes to no text: standard (string) pairs used to be
+    refused with "the tokenizer has no EOS token" although it has one (id 2). The id is now appended, and `minigpt
+    dpo` trains a step on such data."""
+    folder = shared_data / "models" / "stories260K" / "hf"
+    if not (folder / "config.json").is_file():
+        pytest.skip(f"stories260K is not in {folder}")
+    from minigpt.checkpoint.native import load_tokenizer
+
+    tok = load_tokenizer(folder)
+    assert tok.eos_id is not None and tok.decode([tok.eos_id]) == ""
+    record = PreferenceRecord(*to_preference({"prompt": "Once upon", "chosen": " a time", "rejected": " the sea"}))
+    pair = tokenize_preference(ChatTemplate(tok), record, "", tok.eos_id)
+    assert pair.chosen_ids[-1] == tok.eos_id and pair.rejected_ids[-1] == tok.eos_id
+    assert tok.decode(pair.chosen_ids[:-1]).strip() == "a time"
+    data = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Once upon", "chosen": " a time", "rejected": " a sea"},
+                                                  {"prompt": "The cat", "chosen": " sat", "rejected": " flew"}])
+    last = dpo(DPOConfig(model=str(folder), data=str(data), out_dir=str(tmp_path / "out"), max_steps=1,
+                         batch_size=2, device="cpu"))
+    assert last["step"] == 1 and math.isfinite(last["loss"])
