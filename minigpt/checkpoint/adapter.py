@@ -158,6 +158,8 @@ def read_adapter_config(directory: str | Path) -> dict[str, Any]:
         config = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise MiniGPTError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise MiniGPTError(f"{path} must hold a JSON object (a PEFT LoraConfig), not {type(config).__name__}")
     if config.get("peft_type") != "LORA":
         raise MiniGPTError(f"{path}: peft_type {config.get('peft_type')!r} is not supported; only LORA")
     refused = {"use_dora": (config.get("use_dora"), False), "bias": (config.get("bias", "none"), "none"),
@@ -167,6 +169,19 @@ def read_adapter_config(directory: str | Path) -> dict[str, Any]:
         if value and value != supported:
             raise MiniGPTError(f"{path}: {key}={value!r} is not supported (MiniGPT loads plain LoRA: {key}="
                                f"{supported!r})")
+    # The values used later, checked here so that a wrong type is one line naming the file, not a TypeError.
+    for key in ("lora_alpha", "r"):
+        value = config.get(key)
+        if key in config and (value is None or isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise MiniGPTError(f"{path}: {key} must be a positive number, got {value!r}")
+    for key in ("alpha_pattern", "rank_pattern"):
+        if config.get(key) is not None and not isinstance(config[key], dict):
+            raise MiniGPTError(f"{path}: {key} must be an object mapping module names to values, "
+                               f"got {config[key]!r}")
+    for key, value in (config.get("alpha_pattern") or {}).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise MiniGPTError(f"{path}: alpha_pattern[{key!r}] must be a positive number, got {value!r}")
     return config
 
 

@@ -110,9 +110,9 @@ def check_lora_args(lora_rank: int, lora_alpha: float, lora_dropout: float) -> N
     """Raise :class:`MiniGPTError` (one line) for a rank <= 0, a non-positive alpha or a dropout outside [0, 1)."""
     if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank <= 0:
         raise MiniGPTError(f"lora_rank must be a positive integer, got {lora_rank!r}")
-    if not lora_alpha > 0:
+    if isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float)) or not lora_alpha > 0:
         raise MiniGPTError(f"lora_alpha must be positive, got {lora_alpha!r}")
-    if not 0.0 <= lora_dropout < 1.0:
+    if isinstance(lora_dropout, bool) or not isinstance(lora_dropout, (int, float)) or not 0.0 <= lora_dropout < 1.0:
         raise MiniGPTError(f"lora_dropout must be in [0, 1), got {lora_dropout!r}")
 
 

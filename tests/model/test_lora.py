@@ -218,6 +218,26 @@ def test_adapter_refuses_unsupported_peft_features(tmp_path):
         load_adapter(tiny_model(), tmp_path)
 
 
+@pytest.mark.parametrize("edit,fragment", [
+    (lambda c: [], "must hold a JSON object"),
+    (lambda c: {**c, "lora_alpha": None}, "lora_alpha must be a positive number, got None"),
+    (lambda c: {**c, "lora_alpha": "16"}, "lora_alpha must be a positive number"),
+    (lambda c: {**c, "r": 0}, "r must be a positive number, got 0"),
+    (lambda c: {**c, "alpha_pattern": ["q_proj"]}, "alpha_pattern must be an object"),
+    (lambda c: {**c, "alpha_pattern": {"q_proj": None}}, "alpha_pattern['q_proj'] must be a positive number"),
+])
+def test_adapter_config_of_wrong_types_is_one_line_error(tmp_path, edit, fragment):
+    """Found by probing: ``"lora_alpha": null`` was a TypeError from the rank check, a JSON list an AttributeError."""
+    model = tiny_model()
+    apply_lora(model, 4, 8)
+    save_adapter(model, tmp_path / "a")
+    path = tmp_path / "a" / CONFIG_NAME
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    with pytest.raises(MiniGPTError) as e:
+        load_adapter(tiny_model(), tmp_path / "a")
+    assert fragment in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
+
+
 def test_adapters_follow_the_model_train_eval_mode(tmp_path):
     """Adapters added to a model in eval mode do not drop out (a PEFT adapter loaded for inference is deterministic)."""
     model = tiny_model()
