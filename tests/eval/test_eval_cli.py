@@ -48,3 +48,17 @@ def test_eval_errors_are_one_line(native_model, tmp_path):
     (broken / "piqa_validation.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     proc = run_cli("eval", native_model, "--tasks", "piqa", "--data-dir", broken)
     assert_one_line_error(proc, f"{broken / 'piqa_validation.jsonl'}:2:", "missing field 'label'")
+
+
+def test_output_paths_and_reference_are_checked_before_the_evaluation(tmp_path):
+    """A bad --output, --report or --reference used to fail only after the whole evaluation had run. Here the
+    model does not even exist: the path error must come first."""
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "bad.json").write_text("{not json")
+    missing = tmp_path / "no_model"
+    for extra, fragment in [(["--output", tmp_path], "must be a file path"),
+                            (["--output", tmp_path / "a_file" / "out.json"], "must be a file path"),
+                            (["--report", tmp_path / "a_file"], "is a file; give a folder"),
+                            (["--reference", tmp_path / "bad.json"], "cannot read --reference")]:
+        proc = run_cli("eval", missing, "--tasks", "arc_easy", *extra)
+        assert_one_line_error(proc, fragment)
