@@ -182,12 +182,22 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
     return theta, scaling
 
 
+def _flag(hf: dict[str, Any], key: str) -> bool:
+    """A boolean field of ``config.json`` (absent or null: False). Raises :class:`MiniGPTError` for anything but
+    true / false: ``bool("no")`` would read a string as True."""
+    value = hf.get(key)
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    raise MiniGPTError(f"config.json: {key} must be true or false, got {value!r}")
+
+
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """``config.json`` of a Llama / Mistral / Qwen2 ``...ForCausalLM`` -> :class:`ModelConfig`.
 
     ``max_seq_len`` is ``max_position_embeddings``, except with dynamic NTK scaling, where transformers reads
     ``max_position_embeddings`` as the *original* context: there the model may run to ``factor`` times it.
-    Raises :class:`MiniGPTError` for an unsupported architecture or a feature we do not implement.
+    Raises :class:`MiniGPTError` for an unsupported architecture, a feature we do not implement, or a boolean field
+    that is not true / false.
     """
     arch = architecture(hf)
     if hf.get("hidden_act", "silu") != "silu":
@@ -198,7 +208,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if scaling is not None and scaling["type"] == "dynamic":
         max_seq_len = int(context * scaling["factor"])
     # Only Llama's config has bias switches; Qwen2 always has q/k/v biases, Mistral and Mixtral never any.
-    attention_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
+    attention_bias, mlp_bias = _flag(hf, "attention_bias"), _flag(hf, "mlp_bias")
     if arch != "LlamaForCausalLM":
         attention_bias, mlp_bias = arch == "Qwen2ForCausalLM", False
     n_heads = hf["num_attention_heads"]
@@ -221,7 +231,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         rope_theta=theta,
         rope_scaling=scaling,
         max_seq_len=max_seq_len,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_embeddings=_flag(hf, "tie_word_embeddings"),
         bias=attention_bias and mlp_bias,
         attention_bias=attention_bias and not mlp_bias,
         mlp_bias=mlp_bias and not attention_bias,

@@ -285,3 +285,14 @@ def test_sliding_window_and_mlp_bias_fields():
     assert biased == {f"layers.0.feed_forward.{w}.bias" for w in ("w1", "w2", "w3")}
     with pytest.raises(MiniGPTError, match="mlp_bias=True cannot be represented in a MistralForCausalLM export"):
         config_to_hf(ModelConfig(sliding_window=WINDOW, mlp_bias=True))
+
+
+@pytest.mark.parametrize("key", ["tie_word_embeddings", "attention_bias", "mlp_bias"])
+def test_a_boolean_field_that_is_not_true_or_false_is_refused(tmp_path, key):
+    """``"tie_word_embeddings": "no"`` was read as True (``bool("no")``): the model tied its head silently."""
+    cfg = transformers.LlamaConfig(**SHAPE)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "src")
+    path = tmp_path / "src" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), key: "no"}))
+    with pytest.raises(MiniGPTError, match=f"config.json: {key} must be true or false, got 'no'"):
+        load_model(tmp_path / "src")
