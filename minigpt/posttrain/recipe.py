@@ -95,6 +95,16 @@ class PostTrainConfig(TrainerConfig):
             raise MiniGPTError(f"--epochs must be positive, got {self.epochs}")
         if self.lr is None:
             self.lr = self.default_lr[self.lora_rank is not None]
+        # Checked here, before the data loads: NaN reached AdamW's own check only then, 0 meant "the context".
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not 0 < self.lr < math.inf:
+            raise MiniGPTError(f"--lr must be a positive number, got {self.lr!r}")
+        if self.seq_len is not None and (isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int)
+                                         or self.seq_len <= 0):
+            raise MiniGPTError(f"--seq-len must be a positive integer (omit it for the model's context), "
+                               f"got {self.seq_len!r}")
+        if self.warmup_steps is not None and (isinstance(self.warmup_steps, bool)
+                                              or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0):
+            raise MiniGPTError(f"--warmup-steps must be an integer >= 0, got {self.warmup_steps!r}")
         try:
             super().__post_init__()
         except ValueError as e:

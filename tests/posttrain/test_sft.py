@@ -10,6 +10,7 @@ from conftest import assert_one_line_error, run_cli
 from minigpt.checkpoint.adapter import CONFIG_NAME, load_adapter
 from minigpt.checkpoint.native import load_chat_template, load_model, load_tokenizer, save_pretrained
 from minigpt.data.chat import SkipReport, iterate_batches, load_chat_dataset, masked_lm_loss, read_conversations
+from minigpt.errors import MiniGPTError
 from minigpt.model.quant import quantize_weight
 from minigpt.posttrain.packing import with_packed_forward
 from minigpt.posttrain.recipe import pad_to, quantize_blocks
@@ -292,3 +293,14 @@ def test_compile_padding_leaves_the_loss_unchanged(base):
             losses = [masked_lm_loss(model(b.tokens, position_ids=b.position_ids, doc_ids=b.doc_ids), b.labels)
                       for b in (batch, padded)]
         torch.testing.assert_close(losses[1], losses[0], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("option,value,fragment", [("seq_len", 0, "--seq-len must be a positive integer"),
+                                                   ("warmup_steps", -1, "--warmup-steps must be an integer >= 0"),
+                                                   ("lr", float("nan"), "--lr must be a positive number"),
+                                                   ("lr", 0.0, "--lr must be a positive number")])
+def test_bad_schedule_options_are_refused_before_the_data_loads(option, value, fragment):
+    """``--seq-len 0`` silently meant the model's context and ``--warmup-steps -1`` was accepted; ``--lr nan``
+    failed in AdamW only after the data had loaded. The paths here do not exist: the option must fail first."""
+    with pytest.raises(MiniGPTError, match=fragment):
+        SFTConfig(model="no_model", data="no_data.jsonl", out_dir="no_out", **{option: value})
