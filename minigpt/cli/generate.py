@@ -103,11 +103,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                  truncate=args.truncate_prompt)
         for i, (prompt, r) in enumerate(zip(prompts, results)):
             n_tokens += len(r.tokens)
+            text = completion_text(tokenizer, encoded[i], r.tokens, params.stop)
             if args.jsonl:
-                out.write(json.dumps({"index": i, "prompt": prompt, "completion": r.text, "tokens": len(r.tokens),
+                out.write(json.dumps({"index": i, "prompt": prompt, "completion": text, "tokens": len(r.tokens),
                                       "finish_reason": r.finish_reason}, ensure_ascii=False) + "\n")
             else:
-                out.write(("\n" if i else "") + (prompt if args.echo else "") + r.text + "\n")
+                out.write(("\n" if i else "") + (prompt if args.echo else "") + text + "\n")
         out.flush()
     else:
         ids = encoded[0]
@@ -130,7 +131,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             tokens = generate_tokens(model, ids, params, stop_ids=stop_ids, truncate=args.truncate_prompt)
         if args.echo:
             out.write(prompts[0])
-        stops = StopChecker(tokenizer, stop=params.stop)  # stop ids end `tokens` already
+        # Stop ids end `tokens` already. A completion is decoded after its prompt (" upon" after "Once"); a chat
+        # answer on its own, its separating space being the template's.
+        stops = StopChecker(tokenizer, stop=params.stop, context=() if chat is not None else ids)
         for token in tokens:
             if first_s is None:
                 first_s = time.perf_counter() - t0
@@ -175,6 +178,22 @@ def format_stats(load_s: float, compile_s: float, prompt_tokens: int, first_s, n
                 f"{first_s:.2f} s")
     return (f"[decode {rate(decode_n, decode_s):.2f} tokens/s ({decode_n} tokens in {decode_s:.2f} s) | {head} | "
             f"load {load_s:.2f} s | compile {compile_s:.2f} s | total {n_tokens} tokens in {seconds:.2f} s]")
+
+
+def completion_text(tokenizer, prompt: list[int], tokens: list[int], stop: tuple[str, ...]) -> str:
+    """The text of a completion's ``tokens`` (stop ids left out), decoded after its ``prompt`` and cut at the
+    first ``stop`` string: :class:`~minigpt.infer.stops.StopChecker` with the prompt as context. ``generate_batch``
+    decodes each row on its own, which drops a sentencepiece completion's leading space."""
+    from minigpt.infer.stops import StopChecker
+
+    stops = StopChecker(tokenizer, stop=stop, context=prompt)
+    for token in tokens:
+        stops.push(token)
+        if stops.stopped:
+            break
+    else:
+        stops.finish()
+    return stops.text
 
 
 def _check_prompt_flags(args: argparse.Namespace) -> None:

@@ -4,13 +4,20 @@ A stop id ends the generation and is not part of the completion. A stop string e
 completes it; that token stays in the completion's ids but the text is cut before the stop string, which is never
 returned. While streaming, text that could be the beginning of a stop string is held back until the next tokens
 show whether it is (then it is dropped) or not (then it is released). The same rule as OpenAI's ``stop``.
+
+A completion's text is decoded in the context of its prompt (:func:`decode_context`): the difference between
+decoding the prompt's last tokens with and without the new ids, as vLLM's incremental detokenizer (prefix and read
+offsets) does. Decoded alone, a sentencepiece completion would lose the leading space of its first piece
+(``"▁upon"`` -> ``"upon"``), so that prompt + completion read ``"Onceupon"``; a byte-level BPE (``"Ġupon"``)
+decodes the same either way. :func:`leading_text` is that difference for a text already decoded alone.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Iterable, Optional, Sequence
 
 from minigpt.tokenizer.chat_template import ChatTemplate
-from minigpt.tokenizer.tokenizer import StreamDecoder, Tokenizer
+from minigpt.tokenizer.tokenizer import Tokenizer
 
 
 def default_stop_ids(tokenizer: Optional[Tokenizer], chat: Optional[ChatTemplate] = None) -> list[int]:
@@ -30,6 +37,101 @@ def default_stop_ids(tokenizer: Optional[Tokenizer], chat: Optional[ChatTemplate
     extra = (tokenizer.eos_id, tokenizer.bos_id, chat.end_of_turn_id if chat is not None else None)
     ids += [i for i in extra if i is not None]
     return list(dict.fromkeys(ids))
+
+
+CONTEXT_TOKENS = 4  # prompt tokens decoded before a completion's ids (vLLM keeps 5 before its read offset)
+
+_special_ids: "weakref.WeakKeyDictionary[object, frozenset[int]]" = weakref.WeakKeyDictionary()
+
+
+def special_ids(tokenizer) -> frozenset[int]:
+    """The ids of ``tokenizer``'s special tokens (:attr:`~minigpt.tokenizer.tokenizer.Tokenizer.special_tokens`,
+    BOS, EOS, pad), computed once per tokenizer; duck-typed tokenizers may lack any of them."""
+    try:
+        return _special_ids[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    ids = set(getattr(tokenizer, "special_tokens", {}).values())
+    ids.update(i for i in (getattr(tokenizer, n, None) for n in ("bos_id", "eos_id", "pad_id")) if i is not None)
+    found = frozenset(int(i) for i in ids)
+    try:
+        _special_ids[tokenizer] = found
+    except TypeError:  # not weakly referenceable: computed each time
+        pass
+    return found
+
+
+def decode_context(tokenizer, prompt: Sequence[int]) -> list[int]:
+    """The left context a completion of ``prompt`` is decoded in: the last :data:`CONTEXT_TOKENS` ids of
+    ``prompt`` after its last special token (so a completion after BOS alone, or after a template's special token,
+    starts as a text of its own on both back ends: sentencepiece decodes BOS to nothing, ``tokenizers`` to
+    ``"<s>"``), less trailing ids whose bytes leave a character incomplete (they stay the prompt's: the
+    completion's continuation bytes then decode as they would alone). Empty without a tokenizer."""
+    if tokenizer is None:
+        return []
+    specials = special_ids(tokenizer)
+    tail: list[int] = []
+    for token in reversed(prompt):
+        if len(tail) == CONTEXT_TOKENS or int(token) in specials:
+            break
+        tail.append(int(token))
+    tail.reverse()
+    while tail and tokenizer.decode(tail).endswith("\ufffd"):
+        tail.pop()
+    return tail
+
+
+def leading_text(tokenizer, prompt: Sequence[int], ids: Sequence[int]) -> str:
+    """The whitespace that decoding ``ids`` (a completion's first tokens) on their own drops at their start and
+    decoding them after ``prompt`` (its :func:`decode_context`) keeps: ``" "`` for a sentencepiece ``"▁upon"``
+    after ``"Once"``, ``""`` for a byte-level BPE, after an empty prompt or BOS alone. So a text decoded alone (a
+    :class:`StopChecker` without context) reads ``leading_text(...) + text`` in context."""
+    context = decode_context(tokenizer, prompt)
+    if not context or not ids:
+        return ""
+    before, full = tokenizer.decode(context), tokenizer.decode([*context, *ids])
+    alone = tokenizer.decode(ids)
+    if not full.startswith(before) or not full.endswith(alone):
+        return ""
+    lead = full[len(before):len(full) - len(alone)]
+    return lead if lead.isspace() else ""
+
+
+class ContextDecoder:
+    """Incremental detokenizer of a completion, decoded after its prompt: :meth:`push` one id at a time, it returns
+    the text that became final (often ``""``); the returned strings and :meth:`flush` join to
+    ``decode(context + ids)[len(decode(context)):]``, ``context`` being :func:`decode_context` of the prompt.
+
+    As :class:`~minigpt.tokenizer.tokenizer.StreamDecoder` (and vLLM's incremental detokenizer, with its prefix and
+    read offsets), the new text is the difference between decoding a window of ids with and without the pending
+    ones, and text ending in U+FFFD (a character whose bytes have not all come: byte-level BPE, sentencepiece's
+    byte fallback) is held back until they have. Unlike it, the window starts with the prompt's last tokens and
+    keeps at least :data:`CONTEXT_TOKENS` ids before the pending ones, so a sentencepiece piece never starts a
+    window: one would lose its leading space (also after a lone ``"▁"``, which decodes to nothing at the start).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        self._ids = decode_context(tokenizer, context)  # the window: shown ids, then pending ones
+        self._read = len(self._ids)  # ids[:_read] are shown (the prompt's or returned), ids[_read:] pending
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the newly final text (``""`` while a character is still incomplete)."""
+        self._ids.append(int(token_id))
+        shown = self.tokenizer.decode(self._ids[:self._read])
+        full = self.tokenizer.decode(self._ids)
+        if len(full) <= len(shown) or full.endswith("\ufffd"):
+            return ""
+        drop = max(0, len(self._ids) - CONTEXT_TOKENS)  # what the next window needs: the last few ids
+        self._ids, self._read = self._ids[drop:], len(self._ids) - drop
+        return full[len(shown):]
+
+    def flush(self) -> str:
+        """End the completion: return the text still pending (incomplete bytes as U+FFFD)."""
+        shown = self.tokenizer.decode(self._ids[:self._read])
+        full = self.tokenizer.decode(self._ids)
+        self._read = len(self._ids)
+        return full[len(shown):]
 
 
 def held_back(text: str, stops: Sequence[str]) -> int:
@@ -54,11 +156,16 @@ class StopChecker:
 
     :attr:`text` is the completion's text so far, cut before the first stop string. Without a tokenizer there is no
     text and stop strings cannot apply (only ``stop_ids`` stop).
+
+    ``context``: the prompt's ids (its last few are used, see :func:`decode_context`): the text is decoded after
+    them, so the first piece keeps its leading space (``" upon"`` after ``"Once"``) and prompt + text is the text
+    of prompt + completion. Without it the text starts as a text of its own (``"upon"``): what a chat answer
+    wants, whose separating space belongs to the template.
     """
 
     def __init__(self, tokenizer: Optional[Tokenizer] = None, stop_ids: Iterable[int] = (),
-                 stop: Sequence[str] = ()) -> None:
-        self.decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
+                 stop: Sequence[str] = (), context: Sequence[int] = ()) -> None:
+        self.decoder = ContextDecoder(tokenizer, context) if tokenizer is not None else None
         self.stop_ids = frozenset(int(i) for i in stop_ids)
         self.stop = tuple(stop) if self.decoder is not None else ()
         self._longest = max((len(s) for s in self.stop), default=0)

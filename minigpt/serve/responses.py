@@ -12,6 +12,11 @@ log-probability objects, streamed chunks and usage, in the shapes of OpenAI's pu
 * Chat's ``choices[i].logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
   "logprob", "bytes"}]}]}`` with ``top_logprobs`` alternatives per token.
 
+A completion's text is decoded after its prompt: the engine decodes generated tokens on their own (what a chat
+answer wants), so the whitespace lost at a completion's start (sentencepiece's ``"▁upon"`` after ``"Once"``
+decodes to ``"upon"`` alone) is put back here (:func:`~minigpt.infer.stops.leading_text`): ``" upon a time"``, as
+OpenAI and vLLM answer, and echo's text is prompt + completion.
+
 A token's text is its decoded text; a token holding part of a UTF-8 character shows as ``"bytes:\\xe2\\x80"``
 (OpenAI's form) and ``bytes`` gives its raw bytes (byte-level BPE and sentencepiece byte-fallback tokens are
 mapped back to their bytes). Log-probabilities are the model's own (see :mod:`minigpt.infer.sampling`).
@@ -28,6 +33,7 @@ from typing import Any, Optional, Sequence
 
 from minigpt.infer.request import Event
 from minigpt.infer.sampling import TokenLogprob
+from minigpt.infer.stops import leading_text
 from minigpt.serve.schemas import ApiError, to_json
 from minigpt.tokenizer.tokenizer import Tokenizer
 
@@ -132,12 +138,14 @@ class Choice:
 
     index: int
     parts: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # the generated ids of its text (stop ids left out)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
     last: Optional[Event] = None
 
     def add(self, ev: Event) -> None:
         self.parts.append(ev.text)
+        self.ids += ev.token_ids
         self.logprobs += ev.logprobs
         if ev.prompt_logprobs is not None:
             self.prompt_logprobs = ev.prompt_logprobs
@@ -159,6 +167,8 @@ class Shaper:
         self.text_of, self.chat, self.prompt = text_of, chat, prompt
         self.echo, self.logprobs, self.score_only = echo, logprobs, score_only
         self._offsets: dict[int, int] = {}  # streamed: characters of each choice's text so far
+        self._first_ids: dict[int, list[int]] = {}  # streamed: the ids of each choice before its text begins
+        self._begun: set[int] = set()  # streamed: choices whose text has begun (or ended)
         self.head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
                      "model": model}
 
@@ -170,7 +180,7 @@ class Shaper:
                 "usage": self.usage([c.last for c in choices])}
 
     def _choice(self, c: Choice) -> dict:
-        text = "" if self.score_only else "".join(c.parts)
+        text = "" if self.score_only else self._lead(c.ids) + "".join(c.parts)
         entries = [] if self.score_only else c.logprobs
         ids = [e.token_id for e in entries]  # a final stop id included (not in the text)
         finish = "length" if self.score_only else c.last.finish_reason
@@ -182,6 +192,12 @@ class Shaper:
         if self.logprobs:
             logprobs = self._completion_logprobs(c.prompt_logprobs, ids, entries, len(self.echo or ""))
         return {"index": c.index, "text": (self.echo or "") + text, "logprobs": logprobs, "finish_reason": finish}
+
+    def _lead(self, ids: list[int]) -> str:
+        """What a completion's text decoded on its own lacks at its start (:func:`leading_text`); none for chat."""
+        if self.chat or self.score_only or not ids:
+            return ""
+        return leading_text(self.text_of.tokenizer, self.prompt, ids)
 
     def _completion_logprobs(self, prompt_entries, ids: list[int], entries: list[TokenLogprob], start: int) -> dict:
         if self.echo is None or prompt_entries is None:
@@ -214,14 +230,21 @@ class Shaper:
                 logprobs = completion_logprobs(self.text_of, self.prompt, ev.prompt_logprobs)
             out.append(self._piece(index, self.echo, logprobs, None))
         offset = self._offsets.setdefault(index, len(self.echo or ""))
-        if not self.score_only and (ev.text or (self.logprobs and ev.logprobs)):
+        text = ev.text
+        if not self.chat and index not in self._begun:  # its first text carries what that text lacks at its start
+            ids = self._first_ids.setdefault(index, [])
+            ids += ev.token_ids
+            if ev.text or ev.finished:
+                self._begun.add(index)
+                text = self._lead(self._first_ids.pop(index)) + text
+        if not self.score_only and (text or (self.logprobs and ev.logprobs)):
             logprobs = None
             if self.logprobs and self.chat:
                 logprobs = chat_logprobs(self.text_of, ev.logprobs)
             elif self.logprobs:
                 logprobs = completion_logprobs(self.text_of, [e.token_id for e in ev.logprobs], ev.logprobs, offset)
                 self._offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
-            out.append(self._piece(index, ev.text, logprobs, None))
+            out.append(self._piece(index, text, logprobs, None))
         if ev.finished:
             out.append(self._piece(index, None if self.chat else "", None,
                                    "length" if self.score_only else ev.finish_reason))
