@@ -51,6 +51,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from minigpt.tokenizer.tokenizer import TokenizerMissing
 
     _check_prompt_flags(args)
+    if args.seed is not None and not -2**63 <= args.seed < 2**64:  # what torch.manual_seed takes
+        raise MiniGPTError(f"--seed must fit in 64 bits (-2**63 .. 2**64 - 1), got {args.seed}")
+    if args.draft is not None and not 1 <= args.draft_k <= 64:
+        raise MiniGPTError(f"--draft-k must be between 1 and 64 draft tokens a round, got {args.draft_k}")
     if args.threads is not None:
         if args.threads < 1:
             raise MiniGPTError(f"--threads must be at least 1, got {args.threads}")
@@ -269,7 +273,7 @@ def register(sub) -> None:
                    help="weight-only quantization at load time: int8 per channel, int4 in groups of 32 (Q4_0)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--draft", metavar="CKPT", help="speculative decoding with this draft model (same tokenizer)")
-    p.add_argument("--draft-k", dest="draft_k", type=int, default=4, help="draft tokens per round (default 4)")
+    p.add_argument("--draft-k", dest="draft_k", type=int, default=4, help="draft tokens per round (1 to 64, default 4)")
     p.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter folder, merged into the weights at load")
     p.add_argument("--stats", action="store_true",
                    help="print decode and prefill tokens/s, time to first token, load and compile time to stderr")

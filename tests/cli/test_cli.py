@@ -130,3 +130,10 @@ def test_a_reader_closing_the_pipe_early_is_not_an_error(tiny_ckpt):
     stderr = proc.stderr.decode()
     assert proc.returncode == 0, stderr
     assert "Error" not in stderr and "Exception" not in stderr, stderr
+
+
+@pytest.mark.parametrize("args,fragment", [(["--seed", 2**70], "--seed must fit in 64 bits"),
+                                           (["--draft", "x", "--draft-k", 100000], "--draft-k must be between 1 and 64")])
+def test_seed_and_draft_k_out_of_range_name_the_flag(tiny_ckpt, args, fragment):
+    """They were "Overflow when unpacking long long" and "max_tokens (100005) must be below ...", naming no flag."""
+    assert_one_line_error(run_cli("generate", tiny_ckpt, "--prompt", "a", *args), fragment)
