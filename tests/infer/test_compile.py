@@ -3,6 +3,7 @@ eager fast path computes, for plain and left-padded batches, and one graph serve
 test_perf.py because a compilation takes seconds."""
 from functools import partial
 
+import pytest
 import torch
 from conftest import random_model
 
@@ -159,6 +160,7 @@ def test_compiled_steps_run_inside_and_outside_inference_mode():
     torch.testing.assert_close(step, full[:, 6], atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow  # three compiled shapes, 21-31 s (make test-slow, CI's second stage)
 def test_compiled_multi_token_step_equals_plain_forward():
     """decode_tokens: several new tokens per row through the compiled step (a speculative verify), each attending to
     the cache and to the new tokens up to its own, equals the plain forward; the cache it leaves is the one the

@@ -99,6 +99,7 @@ def test_sft_cli_then_generate(tmp_path, base):
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow  # many CLI processes, ~12 s (make test-slow, CI's second stage)
 def test_sft_cli_errors_are_one_line(tmp_path, base):
     model_dir, train, _ = base
     bad = tmp_path / "bad.jsonl"

@@ -13,6 +13,7 @@ from serve_helpers import ENV, InProcessServer
 pytest.importorskip("schemathesis", reason="schemathesis is a dev extra: pip install -e '.[dev]'")
 
 
+@pytest.mark.slow  # a server and a fuzzing run, ~13 s (make test-slow, CI's second stage)
 def test_schemathesis_finds_no_server_error_and_no_schema_violation(tiny_data, tmp_path):
     from minigpt.infer.engine import Engine
     from minigpt.serve.app import ServerState
