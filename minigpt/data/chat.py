@@ -116,7 +116,10 @@ def to_messages(record: Any) -> list[dict[str, str]]:
     for m in messages:
         if m["role"] not in ROLES:
             raise BadLine("unknown role", repr(m["role"]))
-        if not isinstance(m["content"], str) or not m["content"].strip():
+        if not isinstance(m["content"], str):
+            raise BadLine("content not text", f"a {m['role']} message's content is a JSON "
+                          f"{type(m['content']).__name__}, not a string")
+        if not m["content"].strip():
             raise BadLine("empty content", f"a {m['role']} message")
     if not any(m["role"] == "assistant" for m in messages):
         raise BadLine("no assistant turn")
@@ -132,6 +135,8 @@ def read_jsonl(path: str | Path, what: str, convert: Callable[[Any, str], T], st
     rejects with :class:`BadLine` is counted in ``report`` (or, ``strict``, raises :class:`MiniGPTError` naming file
     and line). Blank lines are ignored; ``what`` names the file in the error for a missing one."""
     path = Path(path)
+    if path.is_dir():
+        raise MiniGPTError(f"{what} file {path} is a directory; give a .jsonl file")
     if not path.is_file():
         raise MiniGPTError(f"{what} file {path} does not exist")
     report = report if report is not None else SkipReport()

@@ -24,6 +24,7 @@ from typing import Optional, TextIO
 from minigpt.checkpoint.adapter import load_merged
 from minigpt.checkpoint.native import load_chat_template, load_tokenizer, resolve_checkpoint
 from minigpt.checkpoint.tokenizer_bos import adds_bos
+from minigpt.errors import MiniGPTError
 from minigpt.infer.engine import Engine
 from minigpt.infer.sampling import InvalidRequest, SamplingParams, check_length
 from minigpt.infer.stops import default_stop_ids
@@ -79,8 +80,13 @@ def run_chat(source: str, max_tokens: int = 256, temperature: float = 0.8, top_k
     ``seed``: turn ``i`` (from 0) samples with seed ``seed + i``, so a replayed conversation answers the same.
     ``adapter``: a PEFT LoRA folder merged into the weights at load. ``prefix_cache``: False prefills every turn's
     whole conversation (the answers are the same). Raises :class:`~minigpt.errors.MiniGPTError`
-    for an unreadable checkpoint or an adapter made for another base.
+    for an unreadable checkpoint, an adapter made for another base, or sampling settings out of range (before
+    loading anything).
     """
+    # The sampling flags are checked before loading: they used to fail only once the first message was typed.
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise MiniGPTError(f"--max-tokens must be a positive integer, got {max_tokens!r}")
+    SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     ckpt = resolve_checkpoint(source)
     model = load_merged(ckpt, adapter, device=pick_device(device), dtype=DTYPES[dtype])
     tokenizer = load_tokenizer(ckpt)

@@ -143,3 +143,12 @@ def test_sft_output_answers_through_minigpt_chat(tmp_path):
     assert proc.returncode == 0, proc.stderr
     answers = [part.split("\nyou> ")[0] for part in proc.stdout.split("assistant> ")[1:]]
     assert answers == [ANSWER, ANSWER], proc.stdout
+
+
+@pytest.mark.parametrize("flag,value,fragment", [("--max-tokens", 0, "--max-tokens must be a positive integer"),
+                                                 ("--temperature", "nan", "temperature must be a finite number"),
+                                                 ("--top-p", 0, "top_p must be a number in (0, 1]")])
+def test_chat_checks_its_sampling_flags_before_loading(tmp_path, flag, value, fragment):
+    """They were refused only after the first message had been typed. The model does not exist here: the flag's
+    error must come first."""
+    assert_one_line_error(run_cli("chat", tmp_path / "no_model", flag, value, stdin="hi\n"), fragment)

@@ -203,3 +203,19 @@ def test_adding_chat_tokens_resizes_embeddings_with_the_mean(tokenizer):
         assert ids[0] == tok.token_to_id(IM_START) and tok.token_to_id(IM_END) in ids
         assert tok.encode(IM_START) != [tok.token_to_id(IM_START)]  # plain text stays text
     assert add_chat_tokens(tiny_model(tokenizer.vocab_size), tokenizer)[1] == []
+
+
+def test_content_that_is_not_a_string_and_a_directory_as_data_say_so(tmp_path):
+    """``"content": 5`` (or OpenAI's list of content parts) was counted as "empty content"; a directory given as
+    the data file was reported as not existing."""
+    path = tmp_path / "odd.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "y"}]})
+                    + "\n" + json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]},
+                                                      {"role": "assistant", "content": "y"}]}) + "\n")
+    report = SkipReport()
+    assert read_conversations(path, report=report) == []
+    assert dict(report.skipped) == {"content not text": 2}
+    with pytest.raises(MiniGPTError, match="user message's content is a JSON int, not a string"):
+        read_conversations(path, strict=True)
+    with pytest.raises(MiniGPTError, match="is a directory; give a .jsonl file"):
+        read_conversations(tmp_path)
