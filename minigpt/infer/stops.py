@@ -17,7 +17,7 @@ import weakref
 from typing import Iterable, Optional, Sequence
 
 from minigpt.tokenizer.chat_template import ChatTemplate
-from minigpt.tokenizer.tokenizer import Tokenizer
+from minigpt.tokenizer.tokenizer import StreamDecoder, Tokenizer
 
 
 def default_stop_ids(tokenizer: Optional[Tokenizer], chat: Optional[ChatTemplate] = None) -> list[int]:
@@ -97,43 +97,6 @@ def leading_text(tokenizer, prompt: Sequence[int], ids: Sequence[int]) -> str:
     return lead if lead.isspace() else ""
 
 
-class ContextDecoder:
-    """Incremental detokenizer of a completion, decoded after its prompt: :meth:`push` one id at a time, it returns
-    the text that became final (often ``""``); the returned strings and :meth:`flush` join to
-    ``decode(context + ids)[len(decode(context)):]``, ``context`` being :func:`decode_context` of the prompt.
-
-    As :class:`~minigpt.tokenizer.tokenizer.StreamDecoder` (and vLLM's incremental detokenizer, with its prefix and
-    read offsets), the new text is the difference between decoding a window of ids with and without the pending
-    ones, and text ending in U+FFFD (a character whose bytes have not all come: byte-level BPE, sentencepiece's
-    byte fallback) is held back until they have. Unlike it, the window starts with the prompt's last tokens and
-    keeps at least :data:`CONTEXT_TOKENS` ids before the pending ones, so a sentencepiece piece never starts a
-    window: one would lose its leading space (also after a lone ``"▁"``, which decodes to nothing at the start).
-    """
-
-    def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = ()) -> None:
-        self.tokenizer = tokenizer
-        self._ids = decode_context(tokenizer, context)  # the window: shown ids, then pending ones
-        self._read = len(self._ids)  # ids[:_read] are shown (the prompt's or returned), ids[_read:] pending
-
-    def push(self, token_id: int) -> str:
-        """Add one id; return the newly final text (``""`` while a character is still incomplete)."""
-        self._ids.append(int(token_id))
-        shown = self.tokenizer.decode(self._ids[:self._read])
-        full = self.tokenizer.decode(self._ids)
-        if len(full) <= len(shown) or full.endswith("\ufffd"):
-            return ""
-        drop = max(0, len(self._ids) - CONTEXT_TOKENS)  # what the next window needs: the last few ids
-        self._ids, self._read = self._ids[drop:], len(self._ids) - drop
-        return full[len(shown):]
-
-    def flush(self) -> str:
-        """End the completion: return the text still pending (incomplete bytes as U+FFFD)."""
-        shown = self.tokenizer.decode(self._ids[:self._read])
-        full = self.tokenizer.decode(self._ids)
-        self._read = len(self._ids)
-        return full[len(shown):]
-
-
 def held_back(text: str, stops: Sequence[str]) -> int:
     """Length of the longest end of ``text`` that is a proper prefix of a stop string (kept until resolved)."""
     best = 0
@@ -165,7 +128,7 @@ class StopChecker:
 
     def __init__(self, tokenizer: Optional[Tokenizer] = None, stop_ids: Iterable[int] = (),
                  stop: Sequence[str] = (), context: Sequence[int] = ()) -> None:
-        self.decoder = ContextDecoder(tokenizer, context) if tokenizer is not None else None
+        self.decoder = StreamDecoder(tokenizer, decode_context(tokenizer, context)) if tokenizer is not None else None
         self.stop_ids = frozenset(int(i) for i in stop_ids)
         self.stop = tuple(stop) if self.decoder is not None else ()
         self._longest = max((len(s) for s in self.stop), default=0)

@@ -438,43 +438,47 @@ class StreamDecoder:
     """Incremental detokenizer for streaming generation.
 
     Feed ids one at a time with :meth:`push`; it returns the text that became final with that id (often ``""``).
-    The concatenation of all returned strings plus :meth:`flush` equals ``tokenizer.decode(all_ids)``.
+    The concatenation of all returned strings plus :meth:`flush` equals ``decode(context + ids)[len(decode(context)):]``
+    (with no ``context``: ``tokenizer.decode(ids)``).
 
     A byte-level BPE token may hold only part of a multi-byte UTF-8 character (a CJK character is 3 bytes, an
     emoji 4), which decodes to U+FFFD until the remaining bytes arrive; so text whose decoding ends in U+FFFD is
-    held back. Decoding also depends on context (sentencepiece drops the leading space of the first piece), so
-    the new text is the difference between decoding a short window *with* the new ids and *without* them, the
-    scheme of Hugging Face's ``TextStreamer`` and vLLM's incremental detokenizer. The window starts at the last
-    point where text was emitted, so the work per token is O(window), not O(sequence).
+    held back. Decoding also depends on context (sentencepiece drops the leading space of a window's first piece),
+    so the new text is the difference between decoding a short window *with* the new ids and *without* them, the
+    scheme of Hugging Face's ``TextStreamer`` and vLLM's incremental detokenizer (its prefix and read offsets). The
+    window keeps the last :data:`STREAM_WINDOW` ids before the pending ones, so a piece is never decoded first (a
+    lone sentencepiece ``"▁"`` decodes to nothing there, and the space after it was lost), and the work per token
+    is O(window), not O(sequence). ``context``: ids decoded before the stream and never returned, e.g. the
+    prompt's last tokens, so that a completion's first piece keeps its leading space (``" upon"`` after
+    ``"Once"``).
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = ()):
         self.tokenizer = tokenizer
-        self._ids: List[int] = []  # ids from the start of the decode window on
-        self._read = 0  # ids[:_read] are already emitted; ids[_read:] are pending
+        self._ids: List[int] = [int(i) for i in context]  # the window: shown ids, then pending ones
+        self._read = len(self._ids)  # ids[:_read] are shown (context or returned), ids[_read:] pending
 
     def push(self, token_id: int) -> str:
         """Add one id; return newly completed text (``""`` while a character is still incomplete)."""
         self._ids.append(int(token_id))
-        emitted = self.tokenizer.decode(self._ids[: self._read])
+        shown = self.tokenizer.decode(self._ids[: self._read])
         full = self.tokenizer.decode(self._ids)
-        if len(full) <= len(emitted) or full.endswith("\ufffd"):
+        if len(full) <= len(shown) or full.endswith("\ufffd"):
             return ""
-        # Keep the just-emitted ids as left context for the next decode; drop everything older.
-        self._ids = self._ids[self._read:]
-        self._read = len(self._ids)
-        return full[len(emitted):]
+        drop = max(0, len(self._ids) - STREAM_WINDOW)  # the next window's left context: the last few ids
+        self._ids, self._read = self._ids[drop:], len(self._ids) - drop
+        return full[len(shown):]
 
     def flush(self) -> str:
-        """End the stream: return whatever is still pending (incomplete bytes as U+FFFD) and reset.
-
-        After a flush the decoder starts a new stream, without left context (a sentencepiece tokenizer would then
-        drop the leading space of the next piece), so call it once, at the end.
-        """
-        emitted = self.tokenizer.decode(self._ids[: self._read])
+        """End the stream: return whatever is still pending (incomplete bytes as U+FFFD). Pushing more after it
+        goes on with the same left context."""
+        shown = self.tokenizer.decode(self._ids[: self._read])
         full = self.tokenizer.decode(self._ids)
-        self._ids, self._read = [], 0
-        return full[len(emitted):]
+        self._read = len(self._ids)
+        return full[len(shown):]
+
+
+STREAM_WINDOW = 4  # ids a StreamDecoder keeps before the pending ones (vLLM keeps 5 before its read offset)
 
 
 def _nonneg_or_none(i: int) -> Optional[int]:
