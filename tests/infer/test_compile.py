@@ -184,7 +184,7 @@ def test_compiled_multi_token_step_equals_plain_forward():
 
     # int8 and left padding: row 0 is padded by 3 columns; compiled multi-token steps equal eager int8 forwards:
     # to summation order through the generated loops, to bf16 rounding of the activations through ATen's kernels
-    # (kernels.aten_woq_layout: x and each product rounded to 8 significant bits, 3 layers of 4 products and the
+    # (library.aten_woq_layout: x and each product rounded to 8 significant bits, 3 layers of 4 products and the
     # head; measured 0.0024 relative, bound 2^-6).
     prompts = torch.randint(1, 61, (2, 12), generator=torch.Generator().manual_seed(6))
     for kernel in ("words", "aten"):

@@ -1,5 +1,5 @@
 """ATen's weight-only kernels in decode steps, compiled or eager (``woq_kernel="aten"``, the default on AVX-512 CPUs;
-:func:`minigpt.infer.fastpath.kernels.aten_woq_layout`): int8 (``_weight_int8pack_mm``) and int4
+:func:`minigpt.infer.fastpath.library.aten_woq_layout`): int8 (``_weight_int8pack_mm``) and int4
 (``_weight_int4pack_mm_for_cpu`` on Q4_0's levels repacked) equal the dequantized product up to bf16 rounding of the
 activations, the shapes those kernels get wrong or refuse stay on the generated loops, a compiled model through
 them keeps the eager quantized model's logits (random weights) and greedy tokens (stories260K), and an unknown
@@ -12,7 +12,7 @@ import torch
 from conftest import random_model
 
 from minigpt.infer.fastpath import DECODE_ROWS_MAX, FastPath, Proj, decode_linear, prepare
-from minigpt.infer.fastpath.kernels import aten_woq_layout, aten_woq_wanted
+from minigpt.infer.fastpath.library import aten_woq_layout, aten_woq_wanted
 from minigpt.infer.generate import generate_tokens
 from minigpt.infer.sampling import SamplingParams
 from minigpt.model.quant import dequantize_weight, dequantize_weight_int4, quantize_weight, quantize_weight_int4
@@ -142,7 +142,7 @@ def test_eager_aten_kernels_keep_the_dequantized_greedy_tokens_on_stories260k(sh
 
 
 def test_an_unknown_kernel_name_is_refused(monkeypatch):
-    with pytest.raises(ValueError, match="unknown int8/int4 kernel 'fast'; choose auto, aten, words"):
+    with pytest.raises(ValueError, match="unknown int8/int4 kernel 'fast'; choose auto, w8a8, aten, words"):
         prepare(make(), quantize="int8", compile=True, woq_kernel="fast")
     monkeypatch.setenv("MINIGPT_WOQ_KERNEL", "fast")
     with pytest.raises(ValueError, match="unknown int8/int4 kernel 'fast'"):

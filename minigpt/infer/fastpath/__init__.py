@@ -30,12 +30,14 @@ kernels per token:
     :data:`CACHE_BUCKET`; the write position and the per-row left padding are tensors; each query attends to every
     column under a mask. One graph serves every step of every generation of a given batch size and cache length.
   - matrix-vector products written as reductions (:func:`decode_linear`), which Inductor turns into its own
-    vectorised loops: ~2x the bandwidth of MKL's ``gemv`` on one core, bf16 converted in the loop, int8 read as
-    float32 words and unpacked with shifts (:func:`int8_words`; int4's packed bytes likewise, 8 nibbles a word, the
-    group scales applied once per word); attention likewise, fused with the mask and the
-    softmax. Exception: on AVX-512 CPUs int8 and int4 weights go to ATen's weight-only kernels instead, on bf16
-    activations (:func:`~minigpt.infer.fastpath.kernels.aten_woq_layout`; ``woq_kernel="words"`` or
-    ``MINIGPT_WOQ_KERNEL=words`` keeps the loops).
+    vectorised loops: ~2x the bandwidth of MKL's ``gemv`` on one core, bf16 converted in the loop, a float matrix
+    split into row blocks that one loop reads side by side, int8 read as float32 words and unpacked with shifts
+    (:func:`int8_words`; int4's packed bytes likewise, 8 nibbles a word, the group scales applied once per word);
+    attention likewise, fused with the mask and the softmax. Exceptions: int8 weights go through FBGEMM's int8 x int8
+    product on activations rounded to 8 bits per row (:func:`~minigpt.infer.fastpath.library.w8a8_linear`, eager
+    decode steps too), and on AVX-512 CPUs int4 weights through ATen's weight-only kernels on bf16 activations
+    (:func:`~minigpt.infer.fastpath.library.aten_woq_layout`); ``woq_kernel="words"`` or
+    ``MINIGPT_WOQ_KERNEL=words`` keeps the loops.
   - each layer is one ``torch.compiler.nested_compile_region`` (:func:`~minigpt.infer.fastpath.step.step_layer`), compiled once and reused by
     every layer, and the per-layer caches are separate graph inputs, so compile time does not grow with depth
     (`small`: ~10 s cold, against ~85 s for the unrolled graph). The graph only reads the cache: it returns each

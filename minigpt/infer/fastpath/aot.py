@@ -73,9 +73,9 @@ def _isa() -> str:
         return f"{platform.machine()} {platform.processor()}"
 
 
-def _tensor_signature(t: Optional[torch.Tensor | tuple]) -> str:
-    if isinstance(t, tuple):  # Proj.w8a8
-        return ",".join(map(_tensor_signature, t))
+def _tensor_signature(t: Any) -> str:
+    if t is not None and not isinstance(t, torch.Tensor):  # Proj.w8a8: FBGEMM's packed weight (library.w8a8_layout)
+        return "w8a8"
     if t is None:
         return "-"
     # Strides too: a step is compiled for its inputs' memory layout, and a saved one runs without guards (_bound).

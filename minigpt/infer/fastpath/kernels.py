@@ -1,19 +1,20 @@
 """The fast path's projections: :class:`Proj` (one possibly fused linear map, fp32, bf16, int8 or int4 weight-only),
 the fusion of a model's projections into row views of one matrix (:func:`fuse_projections`), and the matrix-vector
 products of the compiled decode step (:func:`decode_linear`, with int8 and packed int4 weights read as float32
-words, :func:`int8_words`).
+words, :func:`int8_words`, or handed to ATen's weight-only kernels, :func:`aten_woq_linear`, or, int8, to FBGEMM's
+int8 x int8 product, :func:`w8a8_linear`).
 """
 from __future__ import annotations
 
-import functools
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minigpt.infer.fastpath.library import aten_woq_linear, w8a8_linear
 from minigpt.model.quant import Int4Linear, Int8Linear, dequantize_weight_int4, int4_linear, int8_linear
 from minigpt.runtime import native_bf16
 
@@ -47,8 +48,8 @@ class Proj:
         # compiled step: int4 words, each word's group scale [out, in / 8] float16 (int4_word_scales); ATen's
         # kernels, their bf16 scales (aten_woq_layout)
         self.word_scale = word_scale
-        # int8 LM head only: oneDNN's prepacked weight, its float32 scales and zero points (w8a8_layout)
-        self.w8a8: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+        # int8 only: FBGEMM's prepacked weight and scales (w8a8_layout), for products of few rows
+        self.w8a8: Any = None
 
     @property
     def aten_layout(self) -> bool:
@@ -78,6 +79,8 @@ class Proj:
         kernels on bf16 activations (the compiled step's numerics); many rows through the dequantized GEMM, in bf16
         on CPUs with native bf16 (:meth:`_bf16_gemm`), else in float32."""
         w, rows = self.weight, x.numel() // x.shape[-1]
+        if self.w8a8 is not None and rows <= DECODE_ROWS_MAX:  # FBGEMM, as in the compiled step
+            return w8a8_linear(self, x)
         if self.aten_layout and rows <= DECODE_ROWS_MAX:  # ATen's kernels, as in the compiled step
             return aten_woq_linear(self, x, self.group_size)
         if self.scale is not None and rows > DECODE_ROWS_MAX and x.device.type == "cpu" and native_bf16("cpu"):
@@ -281,129 +284,16 @@ def _int4_words_linear(x32: torch.Tensor, words: torch.Tensor, scale: torch.Tens
     return rows[0][None] if batch == 1 else torch.stack(rows)
 
 
-# Which kernels the compiled step uses for int8 / int4 weights: "words" (the generated loops above, float32
-# activations), "aten" (ATen's weight-only kernels on bf16 activations, aten_woq_layout) or "auto" (aten where the CPU
-# has AVX-512, for which those kernels are vectorised; words elsewhere).
-WOQ_KERNELS = ("auto", "aten", "words")
+def _row_blocks(out: int, rows: int) -> int:
+    """Into how many equal blocks :func:`decode_linear` splits a float matrix of ``out`` rows for ``rows`` rows of
+    activations: about 8 weight streams in all, each block a multiple of 16 rows (whole vectors of outputs)."""
+    for split in (8, 4, 2):
+        if split * rows <= 8 and out % (16 * split) == 0:
+            return split
+    return 1
 
 
-def aten_woq_wanted(kernel: str) -> bool:
-    """Whether ``kernel`` (one of :data:`WOQ_KERNELS`) means ATen's weight-only kernels on this CPU. Raises
-    ``ValueError`` for another name."""
-    if kernel not in WOQ_KERNELS:
-        raise ValueError(f"unknown int8/int4 kernel {kernel!r}; choose {', '.join(WOQ_KERNELS)}")
-    return kernel == "aten" or (kernel == "auto" and torch.backends.cpu.get_cpu_capability() == "AVX512")
-
-
-def aten_woq_layout(p: Proj) -> bool:
-    """Give the int8 or int4 projection ``p`` what ATen's weight-only kernels read in the compiled step; False (and
-    ``p`` untouched) for float weights, weights off the CPU, int4 shapes those kernels refuse (output rows not a
-    multiple of 16, groups other than 32, 64, 128 or 256) and int8 rows of a length not a multiple of 16 (torch 2.13's
-    ``_weight_int8pack_mm`` reads past the end of each activation row there: a NaN placed after a row of 100, 136
-    or 172 values came out in the product; 64, 96, 128, 160, 176 were clean).
-
-    int8 (``aten._weight_int8pack_mm``): the int8 matrix as it is, its per-row scales as a bf16 copy in
-    ``word_scale``. int4 (``aten._weight_int4pack_mm_for_cpu``): ``words`` = the levels repacked by
-    ``aten._convert_weight_to_int4pack_for_cpu`` (a second copy of the packed matrix, same size: the eager path and
-    prefill keep reading ``weight``), ``word_scale`` = ``[in / group_size, out, 2]`` bf16 (scale, zero): that kernel
-    computes ``(q - 8) * scale + zero``, which with zero 0 is ``Q4_0``'s ``(q - 8) * d`` exactly. A bf16
-    ``word_scale`` (:attr:`Proj.aten_layout`) is what tells :func:`decode_linear` and eager decode steps to call
-    these kernels.
-
-    Why: measured on a 2-core Sapphire Rapids (docs/benchmarks.md), the compiled `small` step decodes 1.87x (int8)
-    and 1.57x (int4) faster through them than through the generated loops; they vectorise on bf16 activations
-    (llama.cpp rounds its activations further, to 8-bit blocks, for its ``Q8_0`` / ``Q4_0`` dot products). The cost: x rounded to bf16 (relative error <= 2^-9 per
-    element) and the output rounded to bf16, ~0.3 % relative on a product, against 0.9 % (int8) and ~8 % (int4) of
-    the weight rounding itself."""
-    if p.scale is None or p.weight is None or p.weight.device.type != "cpu":
-        return False
-    if p.scale.dim() == 1:
-        if p.weight.shape[1] % 16:  # measured: ATen's int8 kernel then reads past the end of each activation row
-            return False
-        p.words, p.word_scale = None, p.scale.to(torch.bfloat16)
-        return True
-    out, n_groups = p.scale.shape
-    group_size = 2 * p.weight.shape[1] // n_groups
-    if out % 16 or group_size not in (32, 64, 128, 256):
-        return False
-    packed = p.weight.view(out, n_groups, group_size // 2)
-    levels = torch.stack([packed & 15, packed >> 4], dim=2).view(out, -1).to(torch.int32)  # [out, in] in 0..15
-    p.words = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
-    scale = p.scale.float().T  # [n_groups, out]
-    p.word_scale = torch.stack([scale, torch.zeros_like(scale)], dim=-1).to(torch.bfloat16).contiguous()
-    return True
-
-
-@functools.lru_cache(maxsize=None)
-def _group_size_tensor(group_size: int) -> torch.Tensor:
-    return torch.tensor(group_size)
-
-
-def aten_woq_linear(p: Proj, x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``p(x)`` through ATen's weight-only kernel for ``p`` (:func:`aten_woq_layout`): ``x`` ``[..., in]`` ->
-    ``[..., out]`` in ``x``'s dtype, scales and bias applied, any number of rows. ``group_size``: of an int4 ``p``,
-    a Python int (the traced step's shapes are symbolic, and the kernel takes a constant)."""
-    if p.w8a8 is not None:
-        return w8a8_linear(p, x)
-    xb = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # the kernels read rows densely
-    if p.scale.dim() == 2:
-        # The op aten._weight_int4pack_mm_for_cpu lowers to, called directly with the group size as a 0-dim tensor:
-        # through the aten op, Inductor (torch 2.13) makes that tensor itself, and inside the step's nested compile
-        # region the kernel then refuses it ("group size must be a scalar"). An opaque custom op around the aten op
-        # also worked but cost ~12 % of the int4 decode rate (`small`: 478 against 545 tokens/s) in Python dispatch.
-        # Eager steps reuse one tensor per group size (120 calls a token at 135M); a traced step makes its own.
-        size = torch.tensor(group_size) if torch.compiler.is_compiling() else _group_size_tensor(group_size)
-        y = torch.ops.quantized.int4mm_packed_weight_cpu(xb, p.words, size, p.word_scale)
-    else:
-        y = torch.ops.aten._weight_int8pack_mm(xb, p.weight, p.word_scale)
-    y = y.float() if p.bias is None else y.float() + p.bias.float()
-    return y.to(x.dtype).view(*x.shape[:-1], -1)
-
-
-def w8a8_layout(p: Proj) -> bool:
-    """Prepare the int8 projection ``p`` (ATen's layout, :func:`aten_woq_layout`) for :func:`w8a8_linear`: oneDNN's
-    prepacked copy of its int8 matrix (the same bytes again), float32 per-row scales, zero zero points.
-
-    Why, and only for the LM head: on a 2-core Sapphire Rapids, over a ``[49152, 576]`` int8 matrix (SmolLM-135M's
-    head), ATen's one-row weight-only kernel reads 12.4--13.3 GB/s, one core reaching 6.7 GB/s (converting each
-    weight to float is the bound), while oneDNN's int8 x int8 product (VNNI) reads 27.7 GB/s; over the layers'
-    shapes (576 x 576 ... 3072) oneDNN was no faster or slower (9.9--27.8 against 24.8--29.6 GB/s), so they stay on
-    ATen's kernel (docs/benchmarks.md). False (``p`` untouched) where PyTorch has no oneDNN or it refuses."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        packed = torch.ops.onednn.qlinear_prepack(p.weight, None)
-    except RuntimeError:
-        return False
-    p.w8a8 = (packed, p.scale.float(), torch.zeros(p.weight.shape[0], dtype=torch.int64))
-    return True
-
-
-def w8a8_linear(p: Proj, x: torch.Tensor) -> torch.Tensor:
-    """``p(x)`` with the activations rounded to 8 bits as well: ``x`` ``[..., in]`` -> ``[..., out]`` in ``x``'s dtype.
-
-    Each row of ``x`` is quantized on its own, symmetric: ``s = max|x| / 127``, ``q = round(x / s)`` in -127..127,
-    passed to oneDNN as ``q + 128`` (uint8, zero point 128, scale 1: oneDNN takes one activation scale per call,
-    and a shared one would make a row's result depend on the other rows of a batch); ``y = s * sum(q * w) *
-    w_scale (+ bias)``, the sum in int32 (oneDNN ``qlinear_pointwise``, VNNI). llama.cpp likewise rounds
-    activations to 8 bits (blocks of 32, ``Q8_0``) for its integer dot products. Measured on stories260K's head
-    (dim 64, a greedy run of 200 tokens): relative logit error against float weights 0.52 % (0.40 % with float
-    activations), and the first greedy difference from fp32 at the same token (61) as without it."""
-    packed, w_scale, w_zero = p.w8a8
-    x2 = x.reshape(-1, x.shape[-1]).float()
-    s = x2.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30) / 127.0  # [rows, 1]
-    q = (torch.round(x2 / s) + 128.0).to(torch.uint8)
-    y = torch.ops.onednn.qlinear_pointwise.tensor(q, _ONE, _ZERO_POINT, packed, w_scale, w_zero, None, 1.0, 0,
-                                                  torch.float32, "none", [], "") * s
-    if p.bias is not None:
-        y = y + p.bias.float()
-    return y.to(x.dtype).view(*x.shape[:-1], -1)
-
-
-_ONE, _ZERO_POINT = torch.tensor(1.0), torch.tensor(128, dtype=torch.int64)
-
-
-def decode_linear(p, x: torch.Tensor, group_size: int = 0) -> torch.Tensor:
+def decode_linear(p, x: torch.Tensor, group_size: int = 0, w8a8: bool = False) -> torch.Tensor:
     """``p(x)`` for the traced decode step, ``x`` ``[batch, seq, in]`` -> ``[batch, seq, out]`` (``seq`` new tokens
     per row: 1 when decoding, k + 1 when verifying speculative proposals).
 
@@ -415,10 +305,14 @@ def decode_linear(p, x: torch.Tensor, group_size: int = 0) -> torch.Tensor:
     of 8 still reads each weight once. The accumulation is float32 whatever the weight dtype.
 
     ``group_size``: the int4 group size, needed (as a constant) when ``p`` has ATen's layout
-    (:func:`aten_woq_layout`), whose kernels then compute the product for any number of rows.
+    (:func:`aten_woq_layout`), whose kernels then compute the product for any number of rows. ``w8a8``: an int8
+    ``p`` was prepared by :func:`w8a8_layout` and goes through :func:`w8a8_linear`, any number of rows (a flag, not
+    ``p.w8a8``: the step rebuilds its projections from their tensors, and Dynamo must not touch FBGEMM's object).
     """
     if isinstance(p, list):
-        return torch.cat([decode_linear(q, x, group_size) for q in p], dim=-1)
+        return torch.cat([decode_linear(q, x, group_size, w8a8) for q in p], dim=-1)
+    if w8a8 and p.scale is not None and p.scale.dim() == 1:
+        return w8a8_linear(p, x)
     batch, seq = x.shape[0], x.shape[1]
     rows = batch * seq  # every (row, position) is one vector of the product
     if p.aten_layout:  # any number of rows
@@ -436,7 +330,13 @@ def decode_linear(p, x: torch.Tensor, group_size: int = 0) -> torch.Tensor:
         y = _int8_words_linear(x32, p.words)
     else:
         w = p.weight.float() if p.weight.dtype != torch.float32 else p.weight
-        ys = [(x32[r][None, :] * w).sum(-1) for r in range(rows)]
+        # The rows of W in `split` blocks, each its own reduction of the same shape: Inductor fuses them into one
+        # loop that reads `split` weight streams at once (the reductions of a batch's rows fuse the same way, so
+        # fewer blocks for more rows). Measured over SmolLM-135M's layer matrices on a 2-core Sapphire Rapids, one
+        # row: bf16 16.2 -> 22.4 GB/s, fp32 23.6 -> 26.5 GB/s with 8 blocks (docs/benchmarks.md).
+        split = _row_blocks(w.shape[0], rows)
+        blocks = w.chunk(split)
+        ys = [torch.cat([(x32[r][None, :] * b).sum(-1) for b in blocks]) for r in range(rows)]
         y = ys[0][None] if rows == 1 else torch.stack(ys)
     if p.scale is not None and not int4:
         y = y * p.scale

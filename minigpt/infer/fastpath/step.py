@@ -32,7 +32,9 @@ class Geometry:
     head_dim: int
     scale: float
     ffn: str
-    group_size: int = 0  # of the int4 projections read by ATen's kernels (kernels.aten_woq_layout); 0: none
+    group_size: int = 0  # of the int4 projections read by ATen's kernels (library.aten_woq_layout); 0: none
+    w8a8: bool = False  # the int8 projections of the layers go through FBGEMM (library.w8a8_layout)
+    head_w8a8: bool = False  # the LM head does
 
 
 def compile_step(fp, compile_mode: Optional[str], serializable: bool = False) -> Callable:
@@ -81,10 +83,7 @@ def static_step(fp, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Ten
     the cached columns ``pad <= column < pos`` (masked scores are ``-inf`` and contribute exact zeros, so the
     result equals attending to the prefix) and to the new tokens' keys and values up to its own.
     Returns ``(logits [batch, seq, vocab], new_k, new_v)``, the last two a list per layer of ``[batch, n_kv_heads,
-    seq, head_dim]`` for the caller to write at columns ``pos .. pos + seq - 1``; when the head is oneDNN's int8 x
-    int8 product (:func:`w8a8_layout`), the final-norm states ``[batch, seq, dim]`` in place of the logits, for
-    the caller to apply the head to. The
-    graph mutates nothing: with the cache write inside it, the nested compile regions below wrote garbage into
+    seq, head_dim]`` for the caller to write at columns ``pos .. pos + seq - 1``. The graph mutates nothing: with the cache write inside it, the nested compile regions below wrote garbage into
     the cache for models of more than one layer (torch 2.13; tests/test_compile.py covers it)."""
     columns = torch.arange(k_cache[0].shape[2], device=token.device)
     # The cached columns a query sees: the row's own prefix, without the columns being written now (their keys
@@ -104,9 +103,7 @@ def static_step(fp, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Ten
         new_k.append(k)
         new_v.append(v)
     h = rms_norm(h, fp.final_norm, fp.final_eps)
-    if fp.head.w8a8 is not None:  # oneDNN's packed weight is opaque to Inductor: the caller applies that head
-        return h, new_k, new_v
-    return decode_linear(fp.head, h), new_k, new_v
+    return decode_linear(fp.head, h, w8a8=fp.geometry.head_w8a8), new_k, new_v
 
 
 def _proj_args(p: Proj) -> tuple:
@@ -134,7 +131,7 @@ def step_layer(h, k_cache, v_cache, key_valid, cos, sin, attn_norm, wqkv, wqkv_s
 
     def attention(x):
         batch, seq = x.shape[0], x.shape[1]
-        qkv = decode_linear(Proj(wqkv, wqkv_scale, wqkv_bias, wqkv_words, wqkv_ws), x, g.group_size)
+        qkv = decode_linear(Proj(wqkv, wqkv_scale, wqkv_bias, wqkv_words, wqkv_ws), x, g.group_size, g.w8a8)
         qkv = qkv.view(batch, seq, nh + 2 * nkv, hd)
         qk = rope_rotate(qkv[:, :, :nh + nkv], cos, sin)
         q = qk[:, :, :nh]
@@ -157,12 +154,12 @@ def step_layer(h, k_cache, v_cache, key_valid, cos, sin, attn_norm, wqkv, wqkv_s
         out = ((probs[..., :t, None] * v_cache[:, :, None, None, :, :]).sum(-2)
                + (probs[..., t:, None] * v[:, :, None, None, :, :]).sum(-2))  # [batch, n_kv, n_rep, seq, head_dim]
         out = out.permute(0, 3, 1, 2, 4).reshape(batch, seq, nh * hd)
-        return decode_linear(Proj(wo, wo_scale, wo_bias, wo_words, wo_ws), out, g.group_size)
+        return decode_linear(Proj(wo, wo_scale, wo_bias, wo_words, wo_ws), out, g.group_size, g.w8a8)
 
     def feed_forward(x):
         hidden = ffn_hidden(g.ffn, decode_linear(Proj(w13, w13_scale, w13_bias, w13_words, w13_ws), x,
-                                                 g.group_size))
-        return decode_linear(Proj(w2, w2_scale, w2_bias, w2_words, w2_ws), hidden, g.group_size)
+                                                 g.group_size, g.w8a8))
+        return decode_linear(Proj(w2, w2_scale, w2_bias, w2_words, w2_ws), hidden, g.group_size, g.w8a8)
 
     h = pre_norm_residual(h, lambda x: rms_norm(x, attn_norm, attn_eps), attention,
                           lambda x: rms_norm(x, ffn_norm, ffn_eps), feed_forward)

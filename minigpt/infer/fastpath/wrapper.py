@@ -20,14 +20,12 @@ from minigpt.infer.fastpath.aot import cached_step
 from minigpt.infer.fastpath.kernels import (
     ACT_DTYPE,
     LayerWeights,
-    aten_woq_layout,
-    aten_woq_wanted,
     fuse_projections,
     int4_word_scales,
     int8_words,
     module_proj,
-    w8a8_layout,
 )
+from minigpt.infer.fastpath.library import aten_woq_layout, aten_woq_wanted, w8a8_layout, w8a8_wanted
 from minigpt.infer.fastpath.step import Geometry
 from minigpt.infer.kv_cache import LayerKVCache
 from minigpt.model.attention import causal_mask, padded_causal_mask
@@ -82,7 +80,7 @@ class FastPath(nn.Module):
                  compile_mode: Optional[str] = None, strict: bool = False,
                  compile_cache: Optional[Path | bool] = None, woq_kernel: Optional[str] = None) -> None:
         super().__init__()
-        # int8/int4 weights in the compiled step: kernels.WOQ_KERNELS; $MINIGPT_WOQ_KERNEL, else "auto"
+        # int8/int4 weights in the compiled step: library.WOQ_KERNELS; $MINIGPT_WOQ_KERNEL, else "auto"
         self.woq_kernel = woq_kernel or os.environ.get("MINIGPT_WOQ_KERNEL") or "auto"
         aten_woq_wanted(self.woq_kernel)  # a bad name fails here, not at the first step
         self.woq_group_size = 0  # int4 group size of the projections given to ATen's kernels (Geometry)
@@ -137,24 +135,30 @@ class FastPath(nn.Module):
         self.compiled = self.compiled and not any(isinstance(p, list) for p in projections)
         # int8 and int4 weights: ATen's weight-only kernels where wanted and they take the shape (in the compiled
         # step and in eager decode steps alike), else, compiled, read as float32 words (same memory)
-        aten = aten_woq_wanted(self.woq_kernel)
+        aten, w8a8 = aten_woq_wanted(self.woq_kernel), w8a8_wanted(self.woq_kernel)
         flat = [q for p in projections for q in (p if isinstance(p, list) else [p])]
         # The step passes ATen's int4 kernel one group size (a constant): with several, int4 stays on the loops.
         groups = {q.group_size for q in flat} - {0}
         for q in flat:
+            if w8a8 and w8a8_layout(q):  # int8 (any other weight is refused)
+                continue
             if aten and (q.group_size == 0 or len(groups) == 1) and aten_woq_layout(q):
                 continue
             if self.compiled:
                 q.words = int8_words(q.weight)
                 q.word_scale = int4_word_scales(q)
         self.woq_group_size = groups.pop() if aten and len(groups) == 1 else 0
-        if self.head.aten_layout and self.head.scale.dim() == 1:  # int8 head: oneDNN's int8 x int8 product
+        if self.head.aten_layout and self.head.scale.dim() == 1:  # "aten": the int8 head through FBGEMM still
             w8a8_layout(self.head)
+        int8_layers = [q for lw in self.layers for p in (lw.wqkv, lw.wo, lw.w13, lw.w2)
+                       for q in (p if isinstance(p, list) else [p]) if q.scale is not None and q.scale.dim() == 1]
+        layers_w8a8 = bool(int8_layers) and all(q.w8a8 is not None for q in int8_layers)
         # RoPE tables in the activation dtype, the sine in the signed form rope_rotate takes (signed once, here).
         self.cos = m.rope_cos.to(ACT_DTYPE)
         self.sin_signed = signed_sine(m.rope_sin).to(ACT_DTYPE)
         self.scale = 1.0 / math.sqrt(c.head_dim)
-        self.geometry = Geometry(c.n_heads, c.n_kv_heads, c.head_dim, self.scale, c.ffn, self.woq_group_size)
+        self.geometry = Geometry(c.n_heads, c.n_kv_heads, c.head_dim, self.scale, c.ffn, self.woq_group_size,
+                                 layers_w8a8, self.head.w8a8 is not None)
 
     @property
     def device(self) -> torch.device:
@@ -369,8 +373,6 @@ class FastPath(nn.Module):
             self._steps[key] = step
             self.compile_sources[source] = self.compile_sources.get(source, 0) + 1
         logits, new_k, new_v = step(*args)
-        if self.head.w8a8 is not None:  # the step returned the final-norm states (step.static_step)
-            logits = self.head(logits)
         # The new columns are written here, outside the graph (see step.static_step): 2 x n_layers small copies.
         for cache_k, cache_v, k, v in zip(kv_cache.k, kv_cache.v, new_k, new_v):
             cache_k[:, :, pos:pos + seq].copy_(k)
@@ -401,7 +403,7 @@ def prepare(model: Transformer, dtype: Optional[torch.dtype] = None, quantize: O
     norms' statistics and the softmax stay float32), quantize (``"int8"``: weight-only per-channel; ``"int4"``:
     weight-only in groups of 32, llama.cpp's ``Q4_0``; see :mod:`minigpt.model.quant`; skipped when the model is
     already quantized), fuse, and optionally compile the decode step (``woq_kernel``: which kernels it uses for
-    int8/int4 weights, :data:`~minigpt.infer.fastpath.kernels.WOQ_KERNELS`). Raises ``ValueError`` for an unknown
+    int8/int4 weights, :data:`~minigpt.infer.fastpath.library.WOQ_KERNELS`). Raises ``ValueError`` for an unknown
     ``quantize`` or ``woq_kernel``."""
     if dtype is not None and not is_quantized(model):
         model.to(dtype=dtype)

@@ -1,0 +1,196 @@
+"""int8 and int4 products through library kernels, for decode steps (eager and compiled) of few rows: ATen's
+weight-only kernels on bf16 activations (:func:`aten_woq_layout` / :func:`aten_woq_linear`) and FBGEMM's int8 x int8
+product on activations rounded to 8 bits per row (:func:`w8a8_layout` / :func:`w8a8_linear`, reached from a
+compiled step through the ``minigpt::w8a8_mm`` op). Which of them a model uses: :data:`WOQ_KERNELS`.
+
+The projections are :class:`~minigpt.infer.fastpath.kernels.Proj` objects (read here by their fields only).
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+# The projections: kernels.Proj, which imports this module (so typed loosely here).
+Proj = Any
+
+
+# Which kernels decode steps use for int8 / int4 weights: "w8a8" (int8 through FBGEMM's int8 x int8 product,
+# w8a8_layout; int4 as "auto"), "aten" (ATen's weight-only kernels on bf16 activations, aten_woq_layout), "words"
+# (the compiled step's generated loops above, float32 activations) or "auto" (w8a8 for int8 where PyTorch has FBGEMM;
+# int4, and int8 without FBGEMM, on ATen's kernels where the CPU has AVX-512, for which they are vectorised, else
+# on the loops).
+WOQ_KERNELS = ("auto", "w8a8", "aten", "words")
+
+
+def aten_woq_wanted(kernel: str) -> bool:
+    """Whether ``kernel`` (one of :data:`WOQ_KERNELS`) means ATen's weight-only kernels (for the weights that
+    :func:`w8a8_wanted` leaves) on this CPU. Raises ``ValueError`` for another name."""
+    if kernel not in WOQ_KERNELS:
+        raise ValueError(f"unknown int8/int4 kernel {kernel!r}; choose {', '.join(WOQ_KERNELS)}")
+    return kernel == "aten" or (kernel in ("auto", "w8a8") and torch.backends.cpu.get_cpu_capability() == "AVX512")
+
+
+def w8a8_wanted(kernel: str) -> bool:
+    """Whether ``kernel`` (one of :data:`WOQ_KERNELS`) sends int8 projections through :func:`w8a8_linear` here."""
+    return kernel in ("auto", "w8a8") and w8a8_available()
+
+
+def aten_woq_layout(p: Proj) -> bool:
+    """Give the int8 or int4 projection ``p`` what ATen's weight-only kernels read in the compiled step; False (and
+    ``p`` untouched) for float weights, weights off the CPU, int4 shapes those kernels refuse (output rows not a
+    multiple of 16, groups other than 32, 64, 128 or 256) and int8 rows of a length not a multiple of 16 (torch 2.13's
+    ``_weight_int8pack_mm`` reads past the end of each activation row there: a NaN placed after a row of 100, 136
+    or 172 values came out in the product; 64, 96, 128, 160, 176 were clean).
+
+    int8 (``aten._weight_int8pack_mm``): the int8 matrix as it is, its per-row scales as a bf16 copy in
+    ``word_scale``. int4 (``aten._weight_int4pack_mm_for_cpu``): ``words`` = the levels repacked by
+    ``aten._convert_weight_to_int4pack_for_cpu`` (a second copy of the packed matrix, same size: the eager path and
+    prefill keep reading ``weight``), ``word_scale`` = ``[in / group_size, out, 2]`` bf16 (scale, zero): that kernel
+    computes ``(q - 8) * scale + zero``, which with zero 0 is ``Q4_0``'s ``(q - 8) * d`` exactly. A bf16
+    ``word_scale`` (:attr:`Proj.aten_layout`) is what tells :func:`decode_linear` and eager decode steps to call
+    these kernels.
+
+    Why: measured on a 2-core Sapphire Rapids (docs/benchmarks.md), the compiled `small` step decodes 1.87x (int8)
+    and 1.57x (int4) faster through them than through the generated loops; they vectorise on bf16 activations
+    (llama.cpp rounds its activations further, to 8-bit blocks, for its ``Q8_0`` / ``Q4_0`` dot products). The cost: x rounded to bf16 (relative error <= 2^-9 per
+    element) and the output rounded to bf16, ~0.3 % relative on a product, against 0.9 % (int8) and ~8 % (int4) of
+    the weight rounding itself."""
+    if p.scale is None or p.weight is None or p.weight.device.type != "cpu":
+        return False
+    if p.scale.dim() == 1:
+        if p.weight.shape[1] % 16:  # measured: ATen's int8 kernel then reads past the end of each activation row
+            return False
+        p.words, p.word_scale = None, p.scale.to(torch.bfloat16)
+        return True
+    out, n_groups = p.scale.shape
+    group_size = 2 * p.weight.shape[1] // n_groups
+    if out % 16 or group_size not in (32, 64, 128, 256):
+        return False
+    packed = p.weight.view(out, n_groups, group_size // 2)
+    levels = torch.stack([packed & 15, packed >> 4], dim=2).view(out, -1).to(torch.int32)  # [out, in] in 0..15
+    p.words = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
+    scale = p.scale.float().T  # [n_groups, out]
+    p.word_scale = torch.stack([scale, torch.zeros_like(scale)], dim=-1).to(torch.bfloat16).contiguous()
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _group_size_tensor(group_size: int) -> torch.Tensor:
+    return torch.tensor(group_size)
+
+
+def aten_woq_linear(p: Proj, x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``p(x)`` through ATen's weight-only kernel for ``p`` (:func:`aten_woq_layout`): ``x`` ``[..., in]`` ->
+    ``[..., out]`` in ``x``'s dtype, scales and bias applied, any number of rows. ``group_size``: of an int4 ``p``,
+    a Python int (the traced step's shapes are symbolic, and the kernel takes a constant)."""
+    if p.w8a8 is not None:
+        return w8a8_linear(p, x)
+    xb = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # the kernels read rows densely
+    if p.scale.dim() == 2:
+        # The op aten._weight_int4pack_mm_for_cpu lowers to, called directly with the group size as a 0-dim tensor:
+        # through the aten op, Inductor (torch 2.13) makes that tensor itself, and inside the step's nested compile
+        # region the kernel then refuses it ("group size must be a scalar"). An opaque custom op around the aten op
+        # also worked but cost ~12 % of the int4 decode rate (`small`: 478 against 545 tokens/s) in Python dispatch.
+        # Eager steps reuse one tensor per group size (120 calls a token at 135M); a traced step makes its own.
+        size = torch.tensor(group_size) if torch.compiler.is_compiling() else _group_size_tensor(group_size)
+        y = torch.ops.quantized.int4mm_packed_weight_cpu(xb, p.words, size, p.word_scale)
+    else:
+        y = torch.ops.aten._weight_int8pack_mm(xb, p.weight, p.word_scale)
+    y = y.float() if p.bias is None else y.float() + p.bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+def w8a8_available() -> bool:
+    """Whether this PyTorch has FBGEMM, the int8 x int8 kernels :func:`w8a8_linear` calls (x86 builds)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+# FBGEMM's prepacked weights, keyed by their int8 matrix's (address, shape): the compiled step passes the matrix to
+# the `minigpt::w8a8_mm` op, which finds its packed copy here (Inductor cannot trace the packed object itself).
+_PACKED: dict[tuple[int, tuple[int, ...]], Any] = {}
+
+
+def _packed_key(weight: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+    return weight.data_ptr(), tuple(weight.shape)
+
+
+def w8a8_layout(p: Proj) -> bool:
+    """Prepare the int8 projection ``p`` (per-row scales) for :func:`w8a8_linear`: FBGEMM's prepacked copy of its
+    int8 matrix and scales (the same bytes again, in FBGEMM's blocked layout), stored in ``p.w8a8``. False (``p``
+    untouched) for other weights, weights off the CPU or a PyTorch without FBGEMM.
+
+    Why: one activation row times an int8 matrix is bound by converting each weight to float in ATen's
+    weight-only kernel (``_weight_int8pack_mm``: 10.2 GB/s over SmolLM-135M's 120 layer matrices on a 2-core
+    Sapphire Rapids), while FBGEMM's int8 x int8 product with int32 sums reads them at 17--21 GB/s, and at 4 and 8
+    rows 1.6x and 2.1x faster still (docs/benchmarks.md). The price is the activations rounded to 8 bits per row,
+    as llama.cpp does for its ``Q8_0`` dot products (in blocks of 32)."""
+    if p.scale is None or p.scale.dim() != 1 or p.weight is None or p.weight.dtype != torch.int8:
+        return False
+    if p.weight.device.type != "cpu" or not w8a8_available():
+        return False
+    weight = p.weight.contiguous()
+    engine = torch.backends.quantized.engine
+    try:
+        with warnings.catch_warnings():
+            # quantized tensors are deprecated in PyTorch (pinned at 2.13 here); this one only carries the weight
+            # and its scales into FBGEMM's packing routine
+            warnings.simplefilter("ignore", UserWarning)
+            torch.backends.quantized.engine = "fbgemm"
+            zero = torch.zeros(weight.shape[0], dtype=torch.int64)
+            q = torch._make_per_channel_quantized_tensor(weight, p.scale.double(), zero, 0)
+            packed = torch.ops.quantized.linear_prepack(q, None)
+    except RuntimeError:
+        return False
+    finally:
+        torch.backends.quantized.engine = engine
+    key = _packed_key(p.weight)
+    _PACKED[key] = packed
+    weakref.finalize(p.weight, _PACKED.pop, key, None)  # freed memory may be reused by another matrix
+    p.w8a8 = packed
+    return True
+
+
+def w8a8_linear(p: Proj, x: torch.Tensor) -> torch.Tensor:
+    """``p(x)`` with the activations rounded to 8 bits as well: ``x`` ``[..., in]`` -> ``[..., out]`` in ``x``'s dtype,
+    any number of rows.
+
+    Each row of ``x`` is quantized on its own, symmetric: ``s = max|x| / 127``, ``q = round(x / s)`` in -127..127
+    (passed to FBGEMM as ``x / s`` with scale 1 and zero point 128, so that a row's result never depends on the
+    other rows of a batch); ``y = s * w_scale * sum(q * w) (+ bias)``, the sum exact in int32 (FBGEMM,
+    ``quantized::linear_with_input_q_dq_qweight_dq_output_fp32``). llama.cpp likewise rounds activations to 8 bits
+    (blocks of 32, ``Q8_0``) for its integer dot products. Measured on stories260K (a real checkpoint, dim 64):
+    next-token loss on 511 TinyStories tokens 1.3097 nats against 1.3112 for fp32 and 1.3101 for ATen's bf16-
+    activation kernel; 200 greedy tokens from BOS equal fp32's up to token 172 (ATen's kernel: 61)."""
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    s = x2.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30) / 127.0  # [rows, 1]
+    y = torch.ops.minigpt.w8a8_mm(x2 / s, p.weight) * s
+    if p.bias is not None:
+        y = y + p.bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+# `minigpt::w8a8_mm(x, weight)`: FBGEMM's product of the rows of ``x`` (already divided by their scale, so that
+# rounding to integers is the 8-bit quantization) with the prepacked ``weight``. Registered through the low-level
+# Library API: a `torch.library.custom_op` costs ~10 us more a call, 120 calls a token at 135M.
+_LIB = torch.library.Library("minigpt", "FRAGMENT")
+_LIB.define("w8a8_mm(Tensor x, Tensor weight) -> Tensor")
+_W8A8_MM = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+
+
+def _w8a8_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    packed = _PACKED.get(_packed_key(weight))
+    if packed is None:
+        raise RuntimeError("minigpt::w8a8_mm: this int8 matrix has no packed copy (w8a8_layout was not called on it)")
+    return _W8A8_MM(x, 1.0, 128, packed)
+
+
+_LIB.impl("w8a8_mm", _w8a8_mm, "CPU")
+
+
+@torch.library.register_fake("minigpt::w8a8_mm")
+def _w8a8_mm_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
