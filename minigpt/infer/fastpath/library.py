@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -121,37 +122,47 @@ def _packed_key(weight: torch.Tensor) -> tuple[int, tuple[int, ...]]:
 def w8a8_layout(p: Proj) -> bool:
     """Prepare the int8 projection ``p`` (per-row scales) for :func:`w8a8_linear`: FBGEMM's prepacked copy of its
     int8 matrix and scales (the same bytes again, in FBGEMM's blocked layout), stored in ``p.w8a8``. False (``p``
-    untouched) for other weights, weights off the CPU or a PyTorch without FBGEMM.
+    untouched) for other weights, weights off the CPU or a PyTorch without FBGEMM. Many at once:
+    :func:`w8a8_layouts`.
 
     Why: one activation row times an int8 matrix is bound by converting each weight to float in ATen's
     weight-only kernel (``_weight_int8pack_mm``: 10.2 GB/s over SmolLM-135M's 120 layer matrices on a 2-core
     Sapphire Rapids), while FBGEMM's int8 x int8 product with int32 sums reads them at 17--21 GB/s, and at 4 and 8
     rows 1.6x and 2.1x faster still (docs/benchmarks.md). The price is the activations rounded to 8 bits per row,
     as llama.cpp does for its ``Q8_0`` dot products (in blocks of 32)."""
-    if p.scale is None or p.scale.dim() != 1 or p.weight is None or p.weight.dtype != torch.int8:
-        return False
-    if p.weight.device.type != "cpu" or not w8a8_available():
-        return False
-    weight = p.weight.contiguous()
+    return w8a8_layouts([p])[0]
+
+
+def w8a8_layouts(projections: list[Proj]) -> list[bool]:
+    """:func:`w8a8_layout` of each projection, packed by ``torch.get_num_threads()`` threads: FBGEMM packs one
+    matrix on one core at ~0.24 GB/s (SmolLM-135M's 163 MB of int8: ~0.7 s), and the packing releases the GIL."""
+    todo = [p for p in projections if p.scale is not None and p.scale.dim() == 1 and p.weight is not None
+            and p.weight.dtype == torch.int8 and p.weight.device.type == "cpu"]
+    if not todo or not w8a8_available():
+        return [False] * len(projections)
     engine = torch.backends.quantized.engine
     try:
         with warnings.catch_warnings():
-            # quantized tensors are deprecated in PyTorch (pinned at 2.13 here); this one only carries the weight
-            # and its scales into FBGEMM's packing routine
+            # quantized tensors are deprecated in PyTorch (pinned at 2.13 here); these only carry the weights and
+            # their scales into FBGEMM's packing routine
             warnings.simplefilter("ignore", UserWarning)
-            torch.backends.quantized.engine = "fbgemm"
-            zero = torch.zeros(weight.shape[0], dtype=torch.int64)
-            q = torch._make_per_channel_quantized_tensor(weight, p.scale.double(), zero, 0)
-            packed = torch.ops.quantized.linear_prepack(q, None)
+            torch.backends.quantized.engine = "fbgemm"  # the packed type decides the kernel at every call
+            quantized = [torch._make_per_channel_quantized_tensor(
+                p.weight.contiguous(), p.scale.double(), torch.zeros(p.weight.shape[0], dtype=torch.int64), 0)
+                for p in todo]
+            with ThreadPoolExecutor(max(1, min(len(todo), torch.get_num_threads()))) as pool:
+                packed = list(pool.map(lambda q: torch.ops.quantized.linear_prepack(q, None), quantized))
     except RuntimeError:
-        return False
+        return [False] * len(projections)
     finally:
         torch.backends.quantized.engine = engine
-    key = _packed_key(p.weight)
-    _PACKED[key] = packed
-    weakref.finalize(p.weight, _PACKED.pop, key, None)  # freed memory may be reused by another matrix
-    p.w8a8 = packed
-    return True
+    for p, pk in zip(todo, packed):
+        key = _packed_key(p.weight)
+        _PACKED[key] = pk
+        weakref.finalize(p.weight, _PACKED.pop, key, None)  # freed memory may be reused by another matrix
+        p.w8a8 = pk
+    done = {id(p) for p in todo}
+    return [id(p) in done for p in projections]
 
 
 def w8a8_linear(p: Proj, x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from minigpt.infer.fastpath.kernels import (
     int8_words,
     module_proj,
 )
-from minigpt.infer.fastpath.library import aten_woq_layout, aten_woq_wanted, w8a8_layout, w8a8_wanted
+from minigpt.infer.fastpath.library import aten_woq_layout, aten_woq_wanted, w8a8_layout, w8a8_layouts, w8a8_wanted
 from minigpt.infer.fastpath.step import Geometry
 from minigpt.infer.kv_cache import LayerKVCache
 from minigpt.model.attention import causal_mask, padded_causal_mask
@@ -139,8 +139,9 @@ class FastPath(nn.Module):
         flat = [q for p in projections for q in (p if isinstance(p, list) else [p])]
         # The step passes ATen's int4 kernel one group size (a constant): with several, int4 stays on the loops.
         groups = {q.group_size for q in flat} - {0}
+        packed = {id(q) for q, ok in zip(flat, w8a8_layouts(flat)) if ok} if w8a8 else set()  # int8 ones
         for q in flat:
-            if w8a8 and w8a8_layout(q):  # int8 (any other weight is refused)
+            if id(q) in packed:
                 continue
             if aten and (q.group_size == 0 or len(groups) == 1) and aten_woq_layout(q):
                 continue
