@@ -26,6 +26,7 @@ tokenizer's stop ids plus the template's end-of-turn token (:attr:`ChatTemplate.
 """
 from __future__ import annotations
 
+import contextvars
 import json
 import tempfile
 from datetime import datetime
@@ -139,8 +140,9 @@ def _environment():
     """The sandboxed Jinja environment of ``transformers``' chat templates, plus the ``generation`` tag."""
     import jinja2
     from jinja2 import nodes
+    from jinja2.exceptions import SecurityError
     from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
     class GenerationMarks(Extension):
         """``{% generation %}BODY{% endgeneration %}`` renders BODY between the two marker characters."""
@@ -164,12 +166,45 @@ def _environment():
     def strftime_now(format):  # Llama 3.x templates print today's date in the system header
         return datetime.now().strftime(format)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationMarks, loopcontrols])
+    class Sandbox(ImmutableSandboxedEnvironment):
+        """Jinja's sandbox bounds one ``range`` (100,000 items) but not nested ones, nor ``'a' * n``: a hostile
+        template hung the process or took gigabytes. Here a render may draw :data:`RANGE_BUDGET` items from
+        ranges in all and repeat a string or list to :data:`REPEAT_LIMIT` items at most."""
+
+        intercepted_binops = frozenset(["*"])
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "*":
+                seq, n = (left, right) if isinstance(right, int) else (right, left)
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > REPEAT_LIMIT:
+                    raise SecurityError(f"the template repeats a value to more than {REPEAT_LIMIT:,} items")
+            return super().call_binop(context, operator, left, right)
+
+    def budget_range(*args):
+        items = safe_range(*args)
+        left = _RANGE_LEFT.get()
+        if left is not None:
+            if len(items) > left[0]:
+                raise SecurityError(f"the template draws more than {RANGE_BUDGET:,} items from range() in one "
+                                    "render (a loop that would not end?)")
+            left[0] -= len(items)
+        return items
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationMarks, loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
+    env.globals["range"] = budget_range
     return env
+
+
+# Bounds on one render of a chat template (see _environment): items drawn from range() in all, and the length of
+# a string or list repeated with `*`. Real templates use a few ranges over the messages.
+RANGE_BUDGET = 1_000_000
+REPEAT_LIMIT = 1_000_000
+# The items a render in progress may still draw from range(), as a one-item list (None outside a render).
+_RANGE_LEFT: contextvars.ContextVar[Optional[list[int]]] = contextvars.ContextVar("chat_template_range",
+                                                                                   default=None)
 
 
 def tokenizers_backend(tokenizer: Tokenizer):
@@ -298,6 +333,7 @@ class ChatTemplate:
     def _render_raw(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                     tools: Optional[list[dict]] = None) -> str:
         from jinja2 import TemplateError
+        from jinja2.exceptions import SecurityError
 
         for i, m in enumerate(messages):
             if any(c in str(m.get("content", "")) for c in (_OPEN, _CLOSE)):
@@ -311,15 +347,20 @@ class ChatTemplate:
         # transformers' get_chat_template: the tool_use template when tools are given and the model has one.
         use_tools = tools is not None and self._tool_template is not None
         template, which = (self._tool_template, " 'tool_use'") if use_tools else (self._template, "")
+        budget = _RANGE_LEFT.set([RANGE_BUDGET])
         try:
             # tools and documents are always defined (None when absent), as apply_chat_template renders them.
             return template.render(messages=messages, tools=tools, documents=None,
                                    add_generation_prompt=add_generation_prompt, **self._variables)
+        except SecurityError as e:  # the sandbox's bounds: the template is at fault
+            raise TemplateFailed(f"the chat template{which}{self._of} was stopped: {one_line(e)}") from None
         except TemplateError as e:
             raise TemplateRejected(f"the chat template{which}{self._of} rejected the messages: {one_line(e)}") from None
         except Exception as e:  # whatever the model's template raises is reported, never a crash
             raise TemplateFailed(f"the chat template{which}{self._of} failed while rendering: {type(e).__name__}: "
                                  f"{one_line(e)}") from None
+        finally:
+            _RANGE_LEFT.reset(budget)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
                tools: Optional[list[dict]] = None) -> str:

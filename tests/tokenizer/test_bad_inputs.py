@@ -73,6 +73,29 @@ def test_template_raising_while_rendering_is_one_error_naming_its_file(tmp_path,
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("template, error", [
+    # 10^10 loop iterations: each range is within Jinja's sandbox limit, together they never end
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+     "draws more than 1,000,000 items from range()"),
+    ("{{ ('ab' * 3000000000)|length }}", "repeats a value to more than 1,000,000 items"),  # was 6 GB and 4 s
+    ("{{ (3 * [1, 2])|length }}{{ [0] * 2000000 }}", "repeats a value"),
+])
+def test_a_template_that_would_not_end_is_stopped_in_one_error(tmp_path, template, error):
+    path = model_dir(tmp_path / "m", {"chat_template": template})
+    chat = ChatTemplate.for_model(load_tokenizer(path), load_chat_template(path))
+    with pytest.raises(TemplateFailed, match=error):
+        chat.prompt(HI)
+
+
+def test_the_range_budget_is_per_render_and_ordinary_loops_keep_working(tmp_path):
+    """Each render draws from a fresh budget: 15 renders of 100,000 range items each all succeed."""
+    template = "{% for i in range(100000) %}{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    chat = ChatTemplate.for_model(load_tokenizer(path := model_dir(tmp_path / "m", {"chat_template": template})),
+                                  load_chat_template(path))
+    for _ in range(15):
+        assert chat.render(HI) == HI[-1]["content"]
+
+
 def test_template_raising_in_a_gguf_names_the_gguf(tmp_path):
     gguf = export_gguf(model_dir(tmp_path / "m", {"chat_template": ZERO_DIVISION}), tmp_path / "m.gguf")
     chat = ChatTemplate.for_model(load_tokenizer(gguf), load_chat_template(gguf))
