@@ -133,7 +133,7 @@ def _add_data_and_run_options(p) -> None:
                    help="recompute block activations in the backward pass to save memory")
     p.add_argument("--grad-accum", dest="grad_accum", type=int, help="micro-batches per optimizer step (default 1)")
     p.add_argument("--ckpt-interval", dest="ckpt_interval", type=int, help="steps between checkpoints (default 500)")
-    p.add_argument("--keep-checkpoints", dest="keep_checkpoints", type=int, help="how many checkpoints to keep")
+    p.add_argument("--keep-checkpoints", dest="keep_checkpoints", type=int, help="how many checkpoints to keep, the newest (0: all; default 2)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any option (repeatable)")
 
 

@@ -92,7 +92,7 @@ def _common_train_flags(p: argparse.ArgumentParser) -> None:
                    help="data parallelism under torchrun: DDP, or FSDP2 sharding per transformer block")
     p.add_argument("--activation-checkpointing", dest="activation_checkpointing", action="store_true",
                    help="recompute block activations in the backward pass to save memory")
-    p.add_argument("--keep-checkpoints", dest="keep_checkpoints", type=int, help="how many checkpoints to keep")
+    p.add_argument("--keep-checkpoints", dest="keep_checkpoints", type=int, help="how many checkpoints to keep, the newest (0: all; default 2)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="any training option, or model.FIELD=VALUE for the model config (repeatable)")
 

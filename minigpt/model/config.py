@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -275,7 +277,38 @@ def dataclass_from_dict(cls, d: dict[str, Any], what: str):
     unknown = sorted(set(d) - known)
     if unknown:
         raise ValueError(f"unknown {what}(s) {unknown}; valid: {sorted(known)}")
-    return cls(**d)
+    try:
+        hints = typing.get_type_hints(cls)
+    except (NameError, TypeError):  # an annotation that does not resolve: no checks beyond the class's own
+        hints = {}
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    return cls(**{k: _typed(k, v, hints.get(k), defaults[k] is None, what) for k, v in d.items()})
+
+
+def _typed(name: str, value: Any, hint: Any, none_ok: bool, what: str) -> Any:
+    """``value`` checked against a field's plain annotation (bool, int, float, str, or Optional of one): a number
+    written as a string (YAML reads ``1e-3`` as one) becomes the number; anything else of the wrong type raises
+    ``ValueError`` naming the field. Other annotations pass ``value`` through."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        none_ok = none_ok or len(args) < len(typing.get_args(hint))
+        hint = args[0] if len(args) == 1 else None
+    if value is None and none_ok:
+        return value
+    kinds = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    if hint not in kinds:
+        return value
+    if hint in (int, float) and isinstance(value, str):
+        try:
+            return hint(value)
+        except ValueError:
+            pass
+    ok = isinstance(value, hint) and (hint is bool or not isinstance(value, bool))
+    if hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok:
+        raise ValueError(f"{what} {name!r} must be {kinds[hint]}, got {value!r}")
+    return value
 
 
 def preset(name: str, **overrides: Any) -> ModelConfig:

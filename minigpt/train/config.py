@@ -40,7 +40,7 @@ class TrainerConfig:
     eval_interval: int = 200
     log_interval: int = 10
     ckpt_interval: int = 500
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # the newest N stay after each save; 0 keeps all
     device: str = "auto"
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (bf16 where the device runs it natively)
     seed: int = 1337
@@ -67,6 +67,8 @@ class TrainerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("lr must be positive and min_lr_ratio in [0, 1]")
+        if self.keep_checkpoints < 0:
+            raise ValueError(f"keep_checkpoints must be 0 (keep all) or more, got {self.keep_checkpoints}")
         if self.max_steps is not None and self.max_steps <= 0:
             raise ValueError(f"max_steps must be positive, got {self.max_steps}")
         if self.max_time is not None and self.max_time <= 0:
