@@ -90,14 +90,22 @@ def _content(value, key: str, where: Path) -> Optional[str]:
                        f'{{"content": "<text>", ...}} or null, not {shown}; fix that file')
 
 
-def _ids(value) -> tuple[int, ...]:
-    if isinstance(value, bool):
+def _ids(value, key: str, where: Path) -> tuple[int, ...]:
+    """A ``*_token_id`` value of generation_config.json / config.json: null, an id or a list of ids. Raises
+    :class:`MiniGPTError` naming ``where`` and ``key`` for anything else (a string, a fraction, a boolean, a list
+    holding one): ignored, a wrong EOS would let generation run to its token limit without a word."""
+    def is_id(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if value is None:
         return ()
-    if isinstance(value, int):
+    if is_id(value):
         return (value,)
-    if isinstance(value, list):
-        return tuple(v for v in value if isinstance(v, int) and not isinstance(v, bool))
-    return ()
+    if isinstance(value, list) and all(is_id(v) for v in value):
+        return tuple(value)
+    shown = json.dumps(value, ensure_ascii=False, default=str)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    raise MiniGPTError(f"'{key}' in {where} must be a token id, a list of ids or null, not {shown}; fix that file")
 
 
 def roles_from_dir(directory: Union[str, Path], token_to_id: Callable[[str], Optional[int]],
@@ -126,17 +134,18 @@ def roles_from_dir(directory: Union[str, Path], token_to_id: Callable[[str], Opt
             text = _content(value, key, where)
             setattr(roles, role, token_to_id(text) if text is not None else None)
     # The ids of generation_config.json / config.json name BOS and pad too when the tokenizer files are silent.
+    generation_path, model_path = directory / "generation_config.json", directory / "config.json"
     for role in ("bos", "pad"):
         if getattr(roles, role) == UNSET:
-            for d in (generation, model_config):
+            for d, where in ((generation, generation_path), (model_config, model_path)):
                 if d is not None and f"{role}_token_id" in d:
-                    ids = _ids(d[f"{role}_token_id"])
+                    ids = _ids(d[f"{role}_token_id"], f"{role}_token_id", where)
                     setattr(roles, role, ids[0] if ids else None)
                     break
     if generation is not None and "eos_token_id" in generation:
-        stop = _ids(generation["eos_token_id"])
+        stop = _ids(generation["eos_token_id"], "eos_token_id", generation_path)
     else:
-        stop = _ids(model_config.get("eos_token_id"))
+        stop = _ids(model_config.get("eos_token_id"), "eos_token_id", model_path)
     roles.stop = tuple(i for i in stop if 0 <= i < vocab_size)
     if roles.eos == UNSET and roles.stop:
         roles.eos = roles.stop[0]

@@ -235,3 +235,26 @@ def test_chat_refuses_a_line_not_utf8_and_goes_on(tmp_path):
     assert proc.returncode == 0 and "Traceback" not in proc.stderr.decode(), proc.stderr
     assert "you> ab\ufffd\ufffd\n(message 1 (user): the text is not valid UTF-8 (byte 0xff at position 2);" in out
     assert out.count("assistant> ") == 1  # the next line was answered
+
+
+# ------------------------------------------------------------------------------ token ids of the side files
+@pytest.mark.parametrize("value", ["2", 1.5, True, [2, "x"], {"id": 2}])
+@pytest.mark.parametrize("file, key", [("generation_config.json", "eos_token_id"),
+                                       ("generation_config.json", "pad_token_id"),
+                                       ("config.json", "eos_token_id")])
+def test_a_token_id_of_the_wrong_type_is_one_error_naming_its_file(tmp_path, file, key, value):
+    """Ignored, a wrong EOS left the model without a stop id: generation ran to its token limit."""
+    path = model_dir(tmp_path / "m")  # weights, config.json and tokenizer.json: no other side file
+    data = json.loads((path / file).read_text()) if file == "config.json" else {}
+    (path / file).write_text(json.dumps({**data, key: value}))
+    with pytest.raises(MiniGPTError) as e:
+        load_tokenizer(path)
+    assert str(e.value).startswith(f"'{key}' in {path / file} must be a token id, a list of ids or null, not ")
+    assert "\n" not in str(e.value)
+
+
+def test_token_ids_as_ints_lists_and_null_still_load(tmp_path):
+    path = model_dir(tmp_path / "m")
+    for eos, want in ((2, {2}), ([2, 3], {2, 3}), (None, set())):
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+        assert want <= set(load_tokenizer(path).stop_ids)
