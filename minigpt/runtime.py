@@ -80,6 +80,18 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (Linux: ``avx2``, ``avx512_vnni``, ...); empty elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def loadavg() -> Optional[list[float]]:
     """The 1/5/15-minute load averages, or None where the OS has none."""
     try:

@@ -20,7 +20,8 @@ from minigpt.model.quant import dequantize_weight, quantize_weight
 
 torch.set_num_threads(1)
 
-pytestmark = pytest.mark.skipif(not w8a8_available(), reason="PyTorch built without FBGEMM (not an x86 build)")
+pytestmark = pytest.mark.skipif(not w8a8_available(),
+                                reason="no FBGEMM (not an x86 build of PyTorch) or a CPU without AVX512-VNNI")
 
 SHAPE = dict(vocab_size=61, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=96, multiple_of=16)
 make = partial(random_model, SHAPE, noise=0.05)
@@ -101,6 +102,15 @@ def test_which_projections_take_it(quantize):
     assert taken(prepare(make(), quantize=quantize, woq_kernel="aten")) == [True] + [False] * (n - 1)
     assert not any(taken(prepare(make(), quantize=quantize, woq_kernel="words")))
     assert not any(taken(prepare(make())))  # float weights
+
+
+def test_a_cpu_without_vnni_keeps_int8_off_it(monkeypatch):
+    """Without VNNI, FBGEMM's 16-bit pair sums would saturate on these activations: int8 stays on the other
+    kernels."""
+    monkeypatch.setattr(library, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    assert not w8a8_available()
+    fast = prepare(make(), quantize="int8")
+    assert fast.head.w8a8 is None and not fast.geometry.w8a8
 
 
 @pytest.mark.parametrize("kernel", ["w8a8", "aten"])

@@ -33,8 +33,8 @@ kernels per token:
     vectorised loops: ~2x the bandwidth of MKL's ``gemv`` on one core, bf16 converted in the loop, a float matrix
     split into row blocks that one loop reads side by side, int8 read as float32 words and unpacked with shifts
     (:func:`int8_words`; int4's packed bytes likewise, 8 nibbles a word, the group scales applied once per word);
-    attention likewise, fused with the mask and the softmax. Exceptions: int8 weights go through FBGEMM's int8 x int8
-    product on activations rounded to 8 bits per row (:func:`~minigpt.infer.fastpath.library.w8a8_linear`, eager
+    attention likewise, fused with the mask and the softmax. Exceptions: on CPUs with AVX512-VNNI int8 weights go
+    through FBGEMM's int8 x int8 product on activations rounded to 8 bits per row (:func:`~minigpt.infer.fastpath.library.w8a8_linear`, eager
     decode steps too), and on AVX-512 CPUs int4 weights through ATen's weight-only kernels on bf16 activations
     (:func:`~minigpt.infer.fastpath.library.aten_woq_layout`); ``woq_kernel="words"`` or
     ``MINIGPT_WOQ_KERNEL=words`` keeps the loops.

@@ -15,15 +15,17 @@ from typing import Any
 
 import torch
 
+from minigpt.runtime import cpu_flags
+
 # The projections: kernels.Proj, which imports this module (so typed loosely here).
 Proj = Any
 
 
 # Which kernels decode steps use for int8 / int4 weights: "w8a8" (int8 through FBGEMM's int8 x int8 product,
 # w8a8_layout; int4 as "auto"), "aten" (ATen's weight-only kernels on bf16 activations, aten_woq_layout), "words"
-# (the compiled step's generated loops above, float32 activations) or "auto" (w8a8 for int8 where PyTorch has FBGEMM;
-# int4, and int8 without FBGEMM, on ATen's kernels where the CPU has AVX-512, for which they are vectorised, else
-# on the loops).
+# (the compiled step's generated loops, kernels.int8_words, float32 activations) or "auto" (w8a8 for int8 where
+# w8a8_available(); int4, and int8 without FBGEMM, on ATen's kernels where the CPU has AVX-512, for which they
+# are vectorised, else on the loops).
 WOQ_KERNELS = ("auto", "w8a8", "aten", "words")
 
 
@@ -106,8 +108,12 @@ def aten_woq_linear(p: Proj, x: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def w8a8_available() -> bool:
-    """Whether this PyTorch has FBGEMM, the int8 x int8 kernels :func:`w8a8_linear` calls (x86 builds)."""
-    return "fbgemm" in torch.backends.quantized.supported_engines
+    """Whether :func:`w8a8_linear` is exact here: PyTorch has FBGEMM (x86 builds) and the CPU has AVX512-VNNI.
+
+    Without VNNI, FBGEMM multiplies uint8 activations by int8 weights with ``vpmaddubsw``, which adds pairs of
+    products in 16 bits and saturates (2 x 255 x 127 > 32767); PyTorch's own dynamic quantization uses 7-bit
+    activations on such CPUs for that reason. VNNI's ``vpdpbusd`` sums into 32 bits."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and "avx512_vnni" in cpu_flags()
 
 
 # FBGEMM's prepacked weights, keyed by their int8 matrix's (address, shape): the compiled step passes the matrix to
