@@ -111,8 +111,9 @@ def w8a8_available() -> bool:
     """Whether :func:`w8a8_linear` is exact here: PyTorch has FBGEMM (x86 builds) and the CPU has AVX512-VNNI.
 
     Without VNNI, FBGEMM multiplies uint8 activations by int8 weights with ``vpmaddubsw``, which adds pairs of
-    products in 16 bits and saturates (2 x 255 x 127 > 32767); PyTorch's own dynamic quantization uses 7-bit
-    activations on such CPUs for that reason. VNNI's ``vpdpbusd`` sums into 32 bits."""
+    products in 16 bits and saturates (2 x 255 x 127 > 32767; pytorch/pytorch#44939, pytorch/FBGEMM#125); PyTorch's
+    own dynamic quantization uses 7-bit activations on such CPUs for that reason. VNNI's ``vpdpbusd`` sums into 32
+    bits."""
     return "fbgemm" in torch.backends.quantized.supported_engines and "avx512_vnni" in cpu_flags()
 
 
