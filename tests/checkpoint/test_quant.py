@@ -74,8 +74,12 @@ def test_quantized_checkpoint_round_trip(tmp_path, tied, float32_prefill):
     assert sd["layers.0.attention.wq.weight"].dtype == torch.int8
     with torch.inference_mode():
         torch.testing.assert_close(loaded(tokens), ref, atol=0, rtol=0)
-        # The fast path over int8 weights (fused int8 rows and scales) computes the same logits.
-        torch.testing.assert_close(FastPath(loaded)(tokens), ref, atol=1e-5, rtol=0)
+        # The fast path over int8 weights (fused int8 rows and scales; float activations on the generated loops)
+        # computes the same logits.
+        torch.testing.assert_close(FastPath(loaded, woq_kernel="words")(tokens), ref, atol=1e-5, rtol=0)
+        # By default int8 products round their activations to 8 bits per row (test_fastpath_w8a8's 2 % bound).
+        fast = FastPath(loaded)(tokens)
+        assert ((fast - ref).norm() / ref.norm()).item() < 0.02
     # A fused model saves too (its tensors are views of shared storage, which safetensors refuses unless copied).
     save_quantized(loaded, tmp_path / "q2")
     assert torch.equal(load_model(tmp_path / "q2")(tokens), ref)

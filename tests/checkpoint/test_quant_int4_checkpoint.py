@@ -42,7 +42,10 @@ def test_int4_checkpoint_round_trip_is_bit_exact(tmp_path, tied, float32_prefill
     assert sd["layers.0.feed_forward.w2.weight"].dtype == torch.int8
     with torch.inference_mode():
         torch.testing.assert_close(loaded(tokens), ref, atol=0, rtol=0)
-        torch.testing.assert_close(FastPath(loaded)(tokens), ref, atol=1e-5, rtol=0)
+        torch.testing.assert_close(FastPath(loaded, woq_kernel="words")(tokens), ref, atol=1e-5, rtol=0)
+        # By default int8 products round their activations to 8 bits per row (test_fastpath_w8a8's 2 % bound).
+        fast = FastPath(loaded)(tokens)
+        assert ((fast - ref).norm() / ref.norm()).item() < 0.02
     # Saved again after the fast path fused it (row views of shared storage): the same bytes.
     save_quantized(loaded, tmp_path / "q2")
     assert (tmp_path / "q2" / "model.safetensors").read_bytes() == (path / "model.safetensors").read_bytes()

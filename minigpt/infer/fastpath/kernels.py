@@ -75,11 +75,14 @@ class Proj:
         oneDNN call) and a few rows (batched decode) through ``F.linear``, on activations rounded to the weight
         dtype; many rows (prefill) through an fp32 GEMM on the weights upcast
         once per call, because CPUs without native bf16 run half-precision GEMMs ~100x slower than fp32 ones.
-        int8/int4 weights given ATen's layout (:func:`aten_woq_layout`): a few rows through ATen's weight-only
-        kernels on bf16 activations (the compiled step's numerics); many rows through the dequantized GEMM, in bf16
-        on CPUs with native bf16 (:meth:`_bf16_gemm`), else in float32."""
+        int8 weights packed for FBGEMM (:func:`w8a8_layout`): any number of rows through :func:`w8a8_linear`, so
+        that a row's result never depends on how many rows share the call (a prompt prefilled beside others, a
+        chunked prefill, a decode step: the same numbers). int8/int4 weights given ATen's layout
+        (:func:`aten_woq_layout`): a few rows through ATen's weight-only kernels on bf16 activations (the compiled
+        step's numerics); many rows through the dequantized GEMM, in bf16 on CPUs with native bf16
+        (:meth:`_bf16_gemm`), else in float32."""
         w, rows = self.weight, x.numel() // x.shape[-1]
-        if self.w8a8 is not None and rows <= DECODE_ROWS_MAX:  # FBGEMM, as in the compiled step
+        if self.w8a8 is not None:  # FBGEMM, as in the compiled step, for every row count
             return w8a8_linear(self, x)
         if self.aten_layout and rows <= DECODE_ROWS_MAX:  # ATen's kernels, as in the compiled step
             return aten_woq_linear(self, x, self.group_size)

@@ -25,7 +25,7 @@ from minigpt.infer.fastpath.kernels import (
     int8_words,
     module_proj,
 )
-from minigpt.infer.fastpath.library import aten_woq_layout, aten_woq_wanted, w8a8_layout, w8a8_layouts, w8a8_wanted
+from minigpt.infer.fastpath.library import aten_woq_layout, aten_woq_wanted, w8a8_layouts, w8a8_wanted
 from minigpt.infer.fastpath.step import Geometry
 from minigpt.infer.kv_cache import LayerKVCache
 from minigpt.model.attention import causal_mask, padded_causal_mask
@@ -149,8 +149,6 @@ class FastPath(nn.Module):
                 q.words = int8_words(q.weight)
                 q.word_scale = int4_word_scales(q)
         self.woq_group_size = groups.pop() if aten and len(groups) == 1 else 0
-        if self.head.aten_layout and self.head.scale.dim() == 1:  # "aten": the int8 head through FBGEMM still
-            w8a8_layout(self.head)
         int8_layers = [q for lw in self.layers for p in (lw.wqkv, lw.wo, lw.w13, lw.w2)
                        for q in (p if isinstance(p, list) else [p]) if q.scale is not None and q.scale.dim() == 1]
         layers_w8a8 = bool(int8_layers) and all(q.w8a8 is not None for q in int8_layers)
