@@ -133,7 +133,7 @@ def test_compiled_steps_equal_eager(kernel):
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13], [4], [20, 21, 22, 23, 24]]
 
 
-@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])  # compiled: ~14 s
 def test_a_batch_changes_no_rows_logits(compile):
     """Rows are quantized one by one, so a row's decode logits are the same alone and in a batch (FBGEMM's own
     dynamic quantization, one scale for the whole batch, fails this), and a batch's greedy text is each prompt's."""

@@ -48,7 +48,7 @@ class Proj:
         # compiled step: int4 words, each word's group scale [out, in / 8] float16 (int4_word_scales); ATen's
         # kernels, their bf16 scales (aten_woq_layout)
         self.word_scale = word_scale
-        # int8 only: FBGEMM's prepacked weight and scales (w8a8_layout), for products of few rows
+        # int8 only: FBGEMM's prepacked weight and scales (w8a8_layout), for products of any number of rows
         self.w8a8: Any = None
 
     @property

@@ -90,8 +90,6 @@ def aten_woq_linear(p: Proj, x: torch.Tensor, group_size: int) -> torch.Tensor:
     """``p(x)`` through ATen's weight-only kernel for ``p`` (:func:`aten_woq_layout`): ``x`` ``[..., in]`` ->
     ``[..., out]`` in ``x``'s dtype, scales and bias applied, any number of rows. ``group_size``: of an int4 ``p``,
     a Python int (the traced step's shapes are symbolic, and the kernel takes a constant)."""
-    if p.w8a8 is not None:
-        return w8a8_linear(p, x)
     xb = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # the kernels read rows densely
     if p.scale.dim() == 2:
         # The op aten._weight_int4pack_mm_for_cpu lowers to, called directly with the group size as a 0-dim tensor:
