@@ -303,9 +303,10 @@ def _typed(name: str, value: Any, hint: Any, none_ok: bool, what: str) -> Any:
             return hint(value)
         except ValueError:
             pass
-    ok = isinstance(value, hint) and (hint is bool or not isinstance(value, bool))
-    if hint is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint in (bool, str):
+        ok = isinstance(value, hint)
+    else:  # a bool is an int to Python, not to a config; an int is a fine float
+        ok = isinstance(value, (int, float) if hint is float else int) and not isinstance(value, bool)
     if not ok:
         raise ValueError(f"{what} {name!r} must be {kinds[hint]}, got {value!r}")
     return value

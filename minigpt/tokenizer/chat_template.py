@@ -33,7 +33,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from minigpt.errors import MiniGPTError, one_line
+from minigpt.errors import MiniGPTError, one_line, shown_json
 from minigpt.tokenizer.interop import build_tokenizer, vocab_from_file
 from minigpt.tokenizer.tokenizer import InvalidText, Tokenizer, check_text
 
@@ -103,11 +103,6 @@ class TemplateText(str):
         return TemplateText, (str(self), self.origin, self.named)
 
 
-def _shown(value: Any) -> str:
-    text = json.dumps(value, ensure_ascii=False, default=str)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def template_from_config(value: Any, origin: str) -> Optional[TemplateText]:
     """The chat template of a ``chat_template`` value read from ``origin`` (a file, for messages): None, a string,
     or Hugging Face's multi-template layout, a list of ``{"name", "template"}`` objects (or a ``{name: template}``
@@ -126,10 +121,10 @@ def template_from_config(value: Any, origin: str) -> Optional[TemplateText]:
     if isinstance(value, list):
         if not all(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
                    for t in value):
-            raise MiniGPTError(f"'chat_template' in {origin} must be a string or {layout}, not {_shown(value)}")
+            raise MiniGPTError(f"'chat_template' in {origin} must be a string or {layout}, not {shown_json(value)}")
         value = {t["name"]: t["template"] for t in value}
     if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-        raise MiniGPTError(f"'chat_template' in {origin} must be a string or {layout}, not {_shown(value)}")
+        raise MiniGPTError(f"'chat_template' in {origin} must be a string or {layout}, not {shown_json(value)}")
     if "default" not in value:
         raise MiniGPTError(f"'chat_template' in {origin} has templates named {sorted(value)} but none named "
                            "'default', the one for chat; name one of them 'default'")
@@ -263,7 +258,7 @@ class ChatTemplate:
         origin = getattr(template, "origin", "")
         self._of = f" of {origin}" if origin else ""
         if template is not None and not isinstance(template, str):
-            raise MiniGPTError(f"the chat template{self._of} must be a string, not {_shown(template)}")
+            raise MiniGPTError(f"the chat template{self._of} must be a string, not {shown_json(template)}")
         self.source = template or CHATML_TEMPLATE
         self._template = self._compile(self.source, "")
         tool_use = getattr(template, "named", {}).get("tool_use")

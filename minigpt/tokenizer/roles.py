@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-from minigpt.errors import MiniGPTError
+from minigpt.errors import MiniGPTError, shown_json
 
 # A role no file mentions (as opposed to None: a file says there is none).
 UNSET = "unset"
@@ -84,10 +84,8 @@ def _content(value, key: str, where: Path) -> Optional[str]:
         return value
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
-    shown = json.dumps(value, ensure_ascii=False, default=str)
-    shown = shown if len(shown) <= 60 else shown[:57] + "..."
     raise MiniGPTError(f"'{key}' in {where} must be the token's text, an AddedToken object "
-                       f'{{"content": "<text>", ...}} or null, not {shown}; fix that file')
+                       f'{{"content": "<text>", ...}} or null, not {shown_json(value)}; fix that file')
 
 
 def _ids(value, key: str, where: Path) -> tuple[int, ...]:
@@ -103,9 +101,8 @@ def _ids(value, key: str, where: Path) -> tuple[int, ...]:
         return (value,)
     if isinstance(value, list) and all(is_id(v) for v in value):
         return tuple(value)
-    shown = json.dumps(value, ensure_ascii=False, default=str)
-    shown = shown if len(shown) <= 60 else shown[:57] + "..."
-    raise MiniGPTError(f"'{key}' in {where} must be a token id, a list of ids or null, not {shown}; fix that file")
+    raise MiniGPTError(f"'{key}' in {where} must be a token id, a list of ids or null, not {shown_json(value)}; "
+                       "fix that file")
 
 
 def roles_from_dir(directory: Union[str, Path], token_to_id: Callable[[str], Optional[int]],

@@ -184,7 +184,10 @@ def w8a8_linear(p: Proj, x: torch.Tensor) -> torch.Tensor:
     as with ATen's kernel and with float activations (the int8 weights' rounding decides there)."""
     x2 = x.reshape(-1, x.shape[-1]).float()
     s = x2.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30) / 127.0  # [rows, 1]
-    y = torch.ops.minigpt.w8a8_mm(x2 / s, p.weight) * s
+    if p.w8a8 is not None and not torch.compiler.is_compiling():  # eager: no trip through the op and its lookup
+        y = _W8A8_MM(x2 / s, 1.0, 128, p.w8a8) * s
+    else:  # a traced step (its projections carry no packed object): the op finds it
+        y = torch.ops.minigpt.w8a8_mm(x2 / s, p.weight) * s
     if p.bias is not None:
         y = y + p.bias.float()
     return y.to(x.dtype).view(*x.shape[:-1], -1)

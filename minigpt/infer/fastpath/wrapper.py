@@ -149,9 +149,8 @@ class FastPath(nn.Module):
                 q.words = int8_words(q.weight)
                 q.word_scale = int4_word_scales(q)
         self.woq_group_size = groups.pop() if aten and len(groups) == 1 else 0
-        int8_layers = [q for lw in self.layers for p in (lw.wqkv, lw.wo, lw.w13, lw.w2)
-                       for q in (p if isinstance(p, list) else [p]) if q.scale is not None and q.scale.dim() == 1]
-        layers_w8a8 = bool(int8_layers) and all(q.w8a8 is not None for q in int8_layers)
+        int8_layers = [q for q in flat[1:] if q.scale is not None and q.scale.dim() == 1]  # flat[0]: the head
+        layers_w8a8 = bool(int8_layers) and all(id(q) in packed for q in int8_layers)
         # RoPE tables in the activation dtype, the sine in the signed form rope_rotate takes (signed once, here).
         self.cos = m.rope_cos.to(ACT_DTYPE)
         self.sin_signed = signed_sine(m.rope_sin).to(ACT_DTYPE)
