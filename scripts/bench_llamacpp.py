@@ -26,7 +26,8 @@ What it does (``python scripts/bench_llamacpp.py [--model SRC | --preset small]`
      the GGUF, and a MiniGPT directory made by ``minigpt export --dtype`` or ``minigpt quantize``;
      ``--cli-compile`` adds ``--compile``, after one untimed call
      per precision that saves the compiled step for the timed ones to load), with the number of tokens
-     each generated (either may stop at EOS).
+     each generated (either may stop at EOS) and the decode rate each CLI reports for its call (llama.cpp's
+     ``eval time`` line, MiniGPT's ``--stats``).
 
    MiniGPT's matching precision: F32 = fp32, F16 = fp16 weights, BF16 = bf16 weights, Q8_0 = int8 weight-only
    (per channel), Q4_0 = int4 weight-only (groups of 32, Q4_0's own layout). Ratios are MiniGPT / llama.cpp for
@@ -262,7 +263,7 @@ def cli_calls(bins: Path, gguf: Path, model_dir: Path, kind: str, args) -> dict[
     p = run_llama([bins / "llama-completion", "-m", gguf, "-n", args.new_tokens, "--temp", 0, "-t", args.threads,
                    "-no-cnv", "-p", PROMPT], kind, ["--no-repack"])
     llama_s = time.perf_counter() - t
-    m = re.search(r"eval time =.*?/\s*(\d+) runs", p.stderr)
+    m = re.search(r"\beval time =.*?/\s*(\d+) runs.*?([\d.]+) tokens per second", p.stderr)
     cmd = [sys.executable, "-m", "minigpt", "generate", model_dir, "--prompt", PROMPT, "--max-new-tokens",
            args.new_tokens, "--temperature", 0, "--threads", args.threads, "--dtype", dtype, "--stats"]
     cmd += ["--compile"] if args.cli_compile else []
@@ -270,8 +271,12 @@ def cli_calls(bins: Path, gguf: Path, model_dir: Path, kind: str, args) -> dict[
     q = run(cmd, env=env)
     ours_s = time.perf_counter() - t
     n = re.search(r"total (\d+) tokens", q.stderr)
+    d = re.search(r"decode ([\d.]+) tokens/s", q.stderr)
+    # The decode rate each CLI reports for its own call (llama.cpp: "eval time", the tokens after the first).
     return {"llama_cli_s": llama_s, "llama_cli_tokens": int(m.group(1)) + 1 if m else -1,
-            "minigpt_cli_s": ours_s, "minigpt_cli_tokens": int(n.group(1)) if n else -1}
+            "llama_cli_decode": float(m.group(2)) if m else float("nan"),
+            "minigpt_cli_s": ours_s, "minigpt_cli_tokens": int(n.group(1)) if n else -1,
+            "minigpt_cli_decode": float(d.group(1)) if d else float("nan")}
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -296,7 +301,8 @@ def table(samples: dict, types: list[str], args) -> str:
     head = ["llama.cpp", "MiniGPT", "decode tok/s llama.cpp", "MiniGPT", "ratio", f"pp{args.prefill} llama.cpp",
             "MiniGPT", "ratio", f"TTFT ms ({args.ttft_prompt}+1) llama.cpp", "MiniGPT", "ratio"]
     if not args.no_cli:
-        head += ["CLI wall s llama.cpp", "MiniGPT", "ratio", "tokens (llama.cpp / MiniGPT)"]
+        head += ["CLI wall s llama.cpp", "MiniGPT", "ratio", "tokens (llama.cpp / MiniGPT)",
+                 "CLI decode tok/s llama.cpp", "MiniGPT", "ratio"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for kind in types:
         row = [kind + (" (no repack)" if kind in NO_REPACK else ""), PRECISIONS[kind][1]]
@@ -308,6 +314,8 @@ def table(samples: dict, types: list[str], args) -> str:
             a, b = med("cli", kind, "llama_cli_s"), med("cli", kind, "minigpt_cli_s")
             counts = f"{samples['cli'][kind][0]['llama_cli_tokens']} / {samples['cli'][kind][0]['minigpt_cli_tokens']}"
             row += [f"{a:.2f}", f"{b:.2f}", f"**{a / b:.2f}×**", counts]
+            a, b = med("cli", kind, "llama_cli_decode"), med("cli", kind, "minigpt_cli_decode")
+            row += [f"{a:,.2f}", f"{b:,.2f}", f"**{b / a:.2f}×**"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
