@@ -10,6 +10,8 @@ import pytest
 # Compiled decode steps are saved for later processes (minigpt.infer.fastpath.aot): the tests, and the CLIs they
 # start, keep theirs in a directory of this session rather than in the user's cache.
 os.environ["MINIGPT_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="minigpt-compiled-")
+# Likewise the record of checkpoint files already hashed against their manifests (minigpt.checkpoint.atomic).
+os.environ["MINIGPT_VERIFIED_CACHE"] = str(Path(tempfile.mkdtemp(prefix="minigpt-verified-")) / "verified.json")
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
