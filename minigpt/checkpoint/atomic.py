@@ -190,8 +190,10 @@ def verify_manifest(path: str | Path) -> None:
         return
     try:
         manifest = json.loads(mf.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise MiniGPTError(f"{mf} is corrupt ({e})") from None
+    if not isinstance(manifest, dict) or not all(_entry_ok(name, info) for name, info in manifest.items()):
+        raise MiniGPTError(f"{mf} is corrupt: expected {{relative file name: {{\"sha256\": hex, \"bytes\": size}}}}")
     stamps = verified_stamps()
     seen = stamps.load() if stamps else {}
     for name, info in manifest.items():
@@ -211,6 +213,13 @@ def verify_manifest(path: str | Path) -> None:
         # as the hashed state would keep the signature (git's "racy clean" entries, rehashed for the same reason).
         if stamps and time.time_ns() - st.st_ctime_ns > RACY_NS:
             stamps.add(key, signature)
+
+
+def _entry_ok(name: str, info) -> bool:
+    """A manifest entry as :func:`commit_atomic_dir` writes it: a name inside the directory, its size and hash."""
+    parts = Path(name).parts
+    return (bool(parts) and not Path(name).is_absolute() and ".." not in parts and isinstance(info, dict)
+            and isinstance(info.get("sha256"), str) and type(info.get("bytes")) is int)
 
 
 class _Stamps:
@@ -239,7 +248,9 @@ class _Stamps:
         tmp = self.file.with_name(f".{self.file.name}.tmp-{os.getpid()}")
         try:  # a read-only or full disk costs the next load a hash, nothing else
             self.file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            tmp.write_text(json.dumps(data))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # private whatever the umask
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(data))
             os.replace(tmp, self.file)
         except OSError:
             with contextlib.suppress(OSError):

@@ -86,3 +86,25 @@ def test_a_wrong_size_is_refused_without_hashing(ckpt):
     with pytest.raises(MiniGPTError, match="weights.bin does not match its size"):
         verify_manifest(path)
     assert "weights.bin" not in hashed
+
+
+def test_the_stamps_file_is_private_whatever_the_umask(ckpt, monkeypatch):
+    path, _ = ckpt
+    monkeypatch.setattr(atomic, "RACY_NS", 0)
+    old = os.umask(0o002)
+    try:
+        verify_manifest(path)
+    finally:
+        os.umask(old)
+    assert atomic.verified_stamps().file.stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("manifest", [
+    '{"../x": {"sha256": "00", "bytes": 1}}', '{"/etc/hostname": {"sha256": "00", "bytes": 1}}', '{"weights.bin": 5}',
+    '{"weights.bin": {"bytes": "1", "sha256": "00"}}', "[1, 2]", '{"": {"sha256": "00", "bytes": 1}}'])
+def test_a_hostile_manifest_is_one_clear_error(ckpt, manifest):
+    path, hashed = ckpt
+    (path / "manifest.json").write_text(manifest)
+    with pytest.raises(MiniGPTError, match="manifest.json is corrupt"):
+        verify_manifest(path)
+    assert not hashed
