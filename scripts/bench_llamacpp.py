@@ -14,8 +14,8 @@ What it does (``python scripts/bench_llamacpp.py [--model SRC | --preset small]`
 3. Measures, in ``--rounds`` interleaved rounds (each round: every precision, llama.cpp then MiniGPT), medians:
 
    * decode tokens/s, batch 1, ``--new-tokens`` (128) tokens: llama-bench ``tg128`` (from an empty context) vs
-     MiniGPT's warm in-process ``generate_tokens`` from a 1-token prompt (compiled decode step unless
-     ``--no-compile``; compilation happens before the rounds);
+     MiniGPT's warm in-process ``generate_tokens`` from a 1-token prompt (compiled decode step, an AOTInductor
+     package unless ``--no-aoti``, eager with ``--no-compile``; compilation happens before the rounds);
    * prefill tokens/s over ``--prefill`` (512) tokens: llama-bench ``pp512`` vs a MiniGPT forward into a fresh KV
      cache, last position's logits only;
    * time to first token, ms: a ``--ttft-prompt`` (128) token prompt plus one generated token -- llama-bench
@@ -207,7 +207,8 @@ def minigpt_variant(hf_dir: Path, kind: str, args):
     from minigpt.infer.fastpath import load_for_inference
 
     _, _, dtype, quantize = PRECISIONS[kind]
-    return load_for_inference(hf_dir, dtype=getattr(torch, dtype), quantize=quantize, compile=not args.no_compile)
+    return load_for_inference(hf_dir, dtype=getattr(torch, dtype), quantize=quantize, compile=not args.no_compile,
+                              aoti=not args.no_aoti)
 
 
 def minigpt_measure(fp, args) -> dict[str, float]:
@@ -340,6 +341,8 @@ def main() -> int:
     ap.add_argument("--ttft-prompt", dest="ttft_prompt", type=int, default=128)
     ap.add_argument("--no-compile", dest="no_compile", action="store_true", help="MiniGPT in-process eager")
     ap.add_argument("--no-cli", dest="no_cli", action="store_true", help="skip the end-to-end CLI calls")
+    ap.add_argument("--no-aoti", dest="no_aoti", action="store_true",
+                    help="MiniGPT's compiled step through torch.compile's saved step, not an AOTInductor package")
     ap.add_argument("--cli-compile", dest="cli_compile", action="store_true",
                     help="`minigpt generate --compile`, after one untimed call that fills the compile cache")
     ap.add_argument("--json", dest="json_path", help="write every sample here")
@@ -384,7 +387,8 @@ def main() -> int:
                     f"{samples['minigpt'][kind][-1]}" + ("" if args.no_cli else f" | {samples['cli'][kind][-1]}"))
     report = table(samples, types, args)
     footer = (f"\n{cpu}; {args.threads} threads; torch {torch.__version__}; {args.rounds} interleaved round(s), "
-              f"medians; MiniGPT in-process {'eager' if args.no_compile else 'compiled decode step'}, CLI "
+              f"medians; MiniGPT in-process {'eager' if args.no_compile else 'compiled decode step'}"
+              f"{'' if args.no_compile else (' (torch.compile)' if args.no_aoti else ' (AOTInductor)')}, CLI "
               f"{'--compile' if args.cli_compile else 'eager'}; load average {_load(load_before)} -> {_load(os.getloadavg())}; "
               f"weights {args.preset or args.model}; llama.cpp from {tree.parents[1].name}"
               f"{' built without AMX' if args.no_amx else ''}")

@@ -25,8 +25,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     template's end-of-turn token such as <|im_end|> or <|eot_id|>).
 
     Speed: the fast path (fused projections; --no-fast turns it off) runs by default; --compile compiles the
-    single-token step once per machine and shape and saves it (in $MINIGPT_COMPILE_CACHE, default
-    ~/.cache/minigpt/compiled; "off" disables it), so later runs load it in about a second; --quantize int8 / int4 quantizes the weights at load time (a directory written by
+    single-token step once per machine and shape (on a CPU as an AOTInductor package: a minute or two at 135M
+    parameters the first time) and saves it (in $MINIGPT_COMPILE_CACHE, default ~/.cache/minigpt/compiled; "off"
+    disables it), so later runs load it in milliseconds; --quantize int8 / int4 quantizes the weights at load time (a directory written by
     `minigpt quantize` is already quantized); --draft CKPT decodes speculatively with a small draft model sharing
     the tokenizer (--draft-k tokens per round; the output is distributed exactly as without it, and identical when
     greedy); --threads N sets torch's intra-op threads.
@@ -34,7 +35,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     --stats prints to stderr, in seconds and tokens/s to two decimals: load (model and tokenizer), compile (the
     compiled step's first calls), prefill (prompt tokens / time to first token), time to first token, and decode
     (tokens after the first / their time, compilation excluded) -- the headline rate -- and how the compiled
-    steps came (loaded, saved: compiled now and saved, jit: compiled in-process only).
+    steps came (aoti-loaded / loaded: a saved package / step, aoti-saved / saved: compiled now and saved, jit:
+    compiled in-process only).
     """
     import time
 
@@ -63,7 +65,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ckpt = resolve_checkpoint(args.ckpt)
     device = pick_device(args.device)
     options = dict(device=device, dtype=DTYPES[args.dtype], quantize=args.quantize, compile=args.compile,
-                   compile_mode=args.compile_mode, fast=not args.no_fast)
+                   compile_mode=args.compile_mode, fast=not args.no_fast, aoti=args.compile)
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, stop=tuple(args.stop or ()), seed=args.seed)
     model = load_for_inference(ckpt, adapter=args.adapter, **options)

@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch._guards import TracingContext, tracing
 
+from minigpt.infer.fastpath.aoti import SUFFIX, PackagedStep, export_package
 from minigpt.infer.fastpath.step import compile_step
 
 ENV = "MINIGPT_COMPILE_CACHE"
@@ -123,17 +124,25 @@ def load_step(path: Path) -> Callable:
         return torch.compiler.load_compiled_function(f)
 
 
-def cached_step(fp, example_args: tuple, directory: Optional[Path | bool] = None) -> tuple[Callable, str]:
+def cached_step(fp, example_args: tuple, directory: Optional[Path | bool] = None, aoti: bool = False
+                ) -> tuple[Callable, str]:
     """The compiled step of FastPath ``fp`` for the shapes of ``example_args`` (``token``, ``input_pos``, ``pad``,
     ``k_cache``, ``v_cache``, as :func:`~minigpt.infer.fastpath.step.static_step` takes them), bound to ``fp``,
     and where it came from: ``"loaded"`` (a saved step), ``"saved"`` (compiled ahead of time now and saved),
-    ``"jit"`` (the ordinary ``torch.compile``: cache off, or the AOT path failed). Never raises for a bad cache.
+    ``"jit"`` (the ordinary ``torch.compile``: cache off, or the AOT path failed); with ``aoti``, first an
+    AOTInductor package (:mod:`~minigpt.infer.fastpath.aoti`, CPU): ``"aoti-loaded"`` or ``"aoti-saved"``, and
+    when packaging fails (one warning) the saved step as above. Never raises for a bad cache.
     ``directory``: None = :func:`cache_dir`, False = no cache (``"jit"``)."""
     directory = cache_dir() if directory is None else (None if directory is False else Path(directory))
     token, _, _, k_cache, _ = example_args
     if directory is None:
         return compile_step(fp, fp.compile_mode), "jit"
-    path = directory / f"{step_key(fp, token.shape[0], token.shape[1], k_cache[0].shape[2], example_args)}.step"
+    key = step_key(fp, token.shape[0], token.shape[1], k_cache[0].shape[2], example_args)
+    if aoti and token.device.type == "cpu":
+        packaged = _packaged_step(fp, example_args, directory, directory / f"{key}{SUFFIX}")
+        if packaged is not None:
+            return packaged
+    path = directory / f"{key}.step"
     if path.is_file():
         try:
             if not _trusted(path):
@@ -152,6 +161,26 @@ def cached_step(fp, example_args: tuple, directory: Optional[Path | bool] = None
     except Exception as e:  # a read-only or full disk costs the next run a compile, not this one
         _warn(f"could not save the compiled step to {path} ({type(e).__name__}: {e})")
     return _bound(compiled, fp), "saved"
+
+
+def _packaged_step(fp, example_args: tuple, directory: Path, path: Path) -> Optional[tuple[Callable, str]]:
+    """The AOTInductor step at ``path``, loaded, or compiled and saved there first; None (after one warning) when
+    packaging fails. A file that cannot be trusted or loaded is compiled again and replaced."""
+    if path.is_file():
+        try:
+            if not _trusted(path):
+                raise PermissionError("owned by another user or writable by others")
+            return PackagedStep(path, fp), "aoti-loaded"
+        except Exception as e:  # any unreadable package: compile again and replace it
+            _warn(f"ignoring the saved compiled step {path} ({type(e).__name__}: {str(e)[:200]}); compiling it again")
+    try:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        export_package(fp, example_args, path)
+        return PackagedStep(path, fp), "aoti-saved"
+    except Exception as e:  # export and AOTInductor are young: the torch.compile step still works
+        _warn(f"packaging the compiled step with AOTInductor failed ({type(e).__name__}: {str(e)[:200]}); "
+              "using the torch.compile step")
+        return None
 
 
 def _bound(compiled, fp) -> Callable:

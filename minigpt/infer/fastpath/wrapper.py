@@ -71,14 +71,17 @@ class FastPath(nn.Module):
 
     ``compile_mode``: ``None`` (inductor's default) or e.g. ``"max-autotune-no-cudagraphs"``. ``compile_cache``:
     where compiled steps are saved and loaded by later runs (:mod:`minigpt.infer.fastpath.aot`; None: its default
-    directory, False: compile in every process). Raises
+    directory, False: compile in every process). ``aoti``: save and load the compiled steps as AOTInductor
+    packages (:mod:`minigpt.infer.fastpath.aoti`; CPU; a longer first compile, then loads in milliseconds and no
+    Python wrapper per token), falling back to the saved ``torch.compile`` step when packaging fails. Raises
     ``ValueError`` for an architecture the fast path does not compute (see :func:`supports`) only when
     ``strict``; otherwise such models run through their own forward.
     """
 
     def __init__(self, model: Transformer, fuse: bool = True, compile: bool = False,
                  compile_mode: Optional[str] = None, strict: bool = False,
-                 compile_cache: Optional[Path | bool] = None, woq_kernel: Optional[str] = None) -> None:
+                 compile_cache: Optional[Path | bool] = None, woq_kernel: Optional[str] = None,
+                 aoti: bool = False) -> None:
         super().__init__()
         # int8/int4 weights in the compiled step: library.WOQ_KERNELS; $MINIGPT_WOQ_KERNEL, else "auto"
         self.woq_kernel = woq_kernel or os.environ.get("MINIGPT_WOQ_KERNEL") or "auto"
@@ -99,6 +102,7 @@ class FastPath(nn.Module):
         # ``compile_cache`` (:mod:`minigpt.infer.fastpath.aot`; None: its default directory, False: never) when
         # ahead-of-time compilation works, else the one torch.compile'd ``_step_fn``.
         self.compile_cache = compile_cache
+        self.aoti = aoti  # turned off after a failed packaging (warned once), so that it is not retried per shape
         self.compile_sources: dict[str, int] = {}  # "loaded" / "saved" / "jit": how many steps came each way
         self._steps: dict[tuple, Callable] = {}
         self._step_fn = None
@@ -365,7 +369,8 @@ class FastPath(nn.Module):
             if self._step_fn is not None:  # the cache is off or ahead-of-time compiling failed: not tried again
                 step, source = self._step_fn, "jit"
             else:
-                step, source = cached_step(self, args, self.compile_cache)
+                step, source = cached_step(self, args, self.compile_cache, aoti=self.aoti)
+                self.aoti = self.aoti and source.startswith("aoti")
                 if source == "jit":
                     self._step_fn = step
             self._steps[key] = step
@@ -396,17 +401,18 @@ class FastPath(nn.Module):
 
 def prepare(model: Transformer, dtype: Optional[torch.dtype] = None, quantize: Optional[str] = None,
             fuse: bool = True, compile: bool = False, compile_mode: Optional[str] = None,
-            woq_kernel: Optional[str] = None) -> FastPath:
+            woq_kernel: Optional[str] = None, aoti: bool = False) -> FastPath:
     """Convert ``model`` in place for inference and wrap it: cast to ``dtype`` (bf16 weights are an option; the
     norms' statistics and the softmax stay float32), quantize (``"int8"``: weight-only per-channel; ``"int4"``:
     weight-only in groups of 32, llama.cpp's ``Q4_0``; see :mod:`minigpt.model.quant`; skipped when the model is
     already quantized), fuse, and optionally compile the decode step (``woq_kernel``: which kernels it uses for
-    int8/int4 weights, :data:`~minigpt.infer.fastpath.library.WOQ_KERNELS`). Raises ``ValueError`` for an unknown
+    int8/int4 weights, :data:`~minigpt.infer.fastpath.library.WOQ_KERNELS`; ``aoti``: as AOTInductor packages,
+    :class:`FastPath`). Raises ``ValueError`` for an unknown
     ``quantize`` or ``woq_kernel``."""
     if dtype is not None and not is_quantized(model):
         model.to(dtype=dtype)
     quantize_in_place(model, quantize)
-    return FastPath(model, fuse=fuse, compile=compile, compile_mode=compile_mode, woq_kernel=woq_kernel)
+    return FastPath(model, fuse=fuse, compile=compile, compile_mode=compile_mode, woq_kernel=woq_kernel, aoti=aoti)
 
 
 def quantize_in_place(model: Transformer, quantize: Optional[str]) -> Transformer:
@@ -423,11 +429,12 @@ def quantize_in_place(model: Transformer, quantize: Optional[str]) -> Transforme
 
 def load_for_inference(source, device: torch.device | str = "cpu", dtype: Optional[torch.dtype] = None,
                        quantize: Optional[str] = None, compile: bool = False, compile_mode: Optional[str] = None,
-                       fast: bool = True, adapter=None):
+                       fast: bool = True, adapter=None, aoti: bool = False):
     """Load any model source (:func:`minigpt.checkpoint.native.load_model`) ready to generate: a :class:`FastPath`
     (``fast``) or the plain :class:`Transformer` (``fast=False``; ``compile`` then does not apply, ``quantize``
     still does). ``adapter``: a PEFT LoRA folder merged into the weights first
-    (:func:`minigpt.checkpoint.adapter.load_merged`). Raises :class:`~minigpt.errors.MiniGPTError` for unreadable
+    (:func:`minigpt.checkpoint.adapter.load_merged`). ``aoti``: compiled steps as AOTInductor packages
+    (:class:`FastPath`). Raises :class:`~minigpt.errors.MiniGPTError` for unreadable
     sources or an adapter made for another base."""
     if adapter is None and quantize not in (None, "none"):
         # Quantized tensor by tensor as it is read: the float model is never built in full.
@@ -436,4 +443,4 @@ def load_for_inference(source, device: torch.device | str = "cpu", dtype: Option
         model = load_merged(source, adapter, device=device, dtype=dtype)
     if not fast:
         return quantize_in_place(model, quantize)
-    return prepare(model, quantize=quantize, compile=compile, compile_mode=compile_mode)
+    return prepare(model, quantize=quantize, compile=compile, compile_mode=compile_mode, aoti=aoti)

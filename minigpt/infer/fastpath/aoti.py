@@ -1,0 +1,130 @@
+"""The compiled decode step as an AOTInductor package: compiled once per machine and shape, then loaded by later
+processes in milliseconds and run with no Python between its kernels.
+
+Why (measured on a 2-core Xeon, SmolLM-135M's shape, docs/benchmarks.md): the ``torch.compile`` step of
+:mod:`~minigpt.infer.fastpath.aot` is driven by Inductor's generated Python wrapper, which allocates, reinterprets
+and launches ~20 buffers and kernels per layer on every token (about 1-2 ms a token at 135M), and loading a saved
+step imports Dynamo and Inductor and re-links its kernels (1.7-3 s before the first token). An AOTInductor package
+(PyTorch's guide "AOTInductor: Ahead-Of-Time Compilation for Torch.Export-ed Models") holds the same graph lowered
+by Inductor with its C++ wrapper, built into one shared library: the call is a single C++ function, and loading
+is a ``dlopen`` through ``torch._C._aoti.AOTIModelPackageLoader`` that imports neither Dynamo nor Inductor.
+
+How: :class:`StepModule` exposes every tensor the step reads (:func:`step_tensors`: stable names such as
+``l3_wqkv_words``) as a buffer and runs :func:`~minigpt.infer.fastpath.step.static_step` over them; it is
+exported with ``torch.export`` and compiled with ``torch._inductor.aoti_compile_and_package`` *without* its
+constants (``aot_inductor.package_constants_in_so=False``): the package holds code only (~4 MB at 135M), and
+:class:`PackagedStep` hands it the FastPath's own tensors by name (``load_constants(..., user_managed=True)``: no
+copy), so one package serves every checkpoint of the same shapes, as a saved ``.step`` does. Its file name is
+:func:`~minigpt.infer.fastpath.aot.step_key` (torch version, sources, CPU flags, shapes, every weight's dtype,
+shape and strides, threads) with the suffix ``.pt2``, in the same directory and under the same trust rules.
+
+Costs: a first compile takes longer than the ``torch.compile`` step's (export plus a C++ build of the whole
+graph: ~70-130 s at 135M on 2 cores against ~45 s), paid once per machine and shape. CPU only (other devices, and
+any failure of export or compilation, fall back to :mod:`~minigpt.infer.fastpath.aot`'s saved step with one warning).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import types
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from minigpt.infer.fastpath.kernels import LayerWeights, Proj
+from minigpt.infer.fastpath.step import static_step
+
+SUFFIX = ".pt2"
+_SLOTS = ("weight", "scale", "bias", "words", "word_scale")  # Proj's tensors (w8a8 is FBGEMM's packed object)
+_PROJECTIONS = ("wqkv", "wo", "w13", "w2")
+
+
+def step_tensors(fp) -> dict[str, torch.Tensor]:
+    """Every tensor the compiled step of FastPath ``fp`` reads, by a stable name (``embedding``, ``cos``,
+    ``head_weight``, ``l0_attn_norm``, ``l0_wqkv_words``, ...): the package's constants. A projection's ``weight``
+    is left out when its ``words`` replace it (the step reads one or the other, see ``step._proj_args``)."""
+    named = {"embedding": fp.embedding, "final_norm": fp.final_norm, "cos": fp.cos, "sin_signed": fp.sin_signed}
+    projections = {"head": fp.head}
+    for i, lw in enumerate(fp.layers):
+        named[f"l{i}_attn_norm"], named[f"l{i}_ffn_norm"] = lw.attn_norm, lw.ffn_norm
+        projections.update({f"l{i}_{name}": getattr(lw, name) for name in _PROJECTIONS})
+    for prefix, p in projections.items():
+        for slot in _SLOTS:
+            t = getattr(p, slot)
+            if t is not None and not (slot == "weight" and p.words is not None):
+                named[f"{prefix}_{slot}"] = t
+    return named
+
+
+class StepModule(nn.Module):
+    """:func:`~minigpt.infer.fastpath.step.static_step` of FastPath ``fp`` as a module whose buffers are
+    :func:`step_tensors` (not copies): what ``torch.export`` traces. ``forward(token [batch, seq], input_pos [1],
+    pad [batch], k_cache, v_cache)`` -> ``(logits [batch, seq, vocab], new_k, new_v)``, per-layer lists as there."""
+
+    def __init__(self, fp) -> None:
+        super().__init__()
+        self.__dict__["fp"] = fp  # not a submodule: only the step's structure (eps, geometry) is read from it
+        for name, t in step_tensors(fp).items():
+            self.register_buffer(name, t, persistent=False)
+
+    def _proj(self, prefix: str) -> Proj:
+        return Proj(*(getattr(self, f"{prefix}_{slot}", None) for slot in _SLOTS))
+
+    def forward(self, token, input_pos, pad, k_cache, v_cache):
+        fp = self.fp
+        # The same structure as fp, its tensors read through this module's buffers, so that export names them.
+        layers = [LayerWeights(getattr(self, f"l{i}_attn_norm"), getattr(self, f"l{i}_ffn_norm"),
+                               *(self._proj(f"l{i}_{name}") for name in _PROJECTIONS), lw.attn_norm_eps,
+                               lw.ffn_norm_eps) for i, lw in enumerate(fp.layers)]
+        view = types.SimpleNamespace(embedding=self.embedding, final_norm=self.final_norm, cos=self.cos,
+                                     sin_signed=self.sin_signed, final_eps=fp.final_eps, geometry=fp.geometry,
+                                     head=self._proj("head"), layers=layers)
+        return static_step(view, token, input_pos, pad, k_cache, v_cache)
+
+
+def export_package(fp, example_args: tuple, path: Path) -> None:
+    """Export the step of FastPath ``fp`` for the shapes of ``example_args`` (``token``, ``input_pos``, ``pad``,
+    ``k_cache``, ``v_cache``) and compile it into an AOTInductor package at ``path``, written to a temporary file
+    and renamed (readable by this user only). Raises whatever export or Inductor raise."""
+    import torch._inductor  # the heavy import, paid only when compiling
+
+    configs = {"aot_inductor.package_constants_in_so": False, "size_asserts": False}
+    if fp.compile_mode is not None:
+        configs.update(torch._inductor.list_mode_options(fp.compile_mode))
+    with torch.no_grad():
+        exported = torch.export.export(StepModule(fp), example_args, strict=False)
+    fd, tmp = tempfile.mkstemp(prefix=".partial-", suffix=SUFFIX, dir=path.parent)
+    os.close(fd)
+    try:
+        torch._inductor.aoti_compile_and_package(exported, package_path=tmp, inductor_configs=configs)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+class PackagedStep:
+    """A step package (:func:`export_package`) bound to the tensors of FastPath ``fp``: called like the compiled
+    step, ``(token, input_pos, pad, k_cache, v_cache) -> (logits, new_k, new_v)``. Raises ``ValueError`` when the
+    package names a tensor ``fp`` does not have (a package of another structure), else whatever the loader raises
+    for an unreadable file."""
+
+    def __init__(self, path: Path, fp) -> None:
+        self.n_layers = len(fp.layers)
+        self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        tensors = step_tensors(fp)
+        names = list(self.loader.get_constant_fqns())
+        unknown = sorted(set(names) - set(tensors))
+        if unknown:
+            raise ValueError(f"the package reads tensors this model does not have: {', '.join(unknown[:5])}")
+        # user_managed: the library reads fp's own tensors (no copy); self.constants keeps them alive.
+        self.constants = {name: tensors[name] for name in names}
+        self.loader.load_constants(self.constants, False, True, True)
+
+    def __call__(self, token, input_pos, pad, k_cache: list, v_cache: list):
+        out = self.loader.boxed_run([token, input_pos, pad, *k_cache, *v_cache])
+        n = self.n_layers
+        return out[0], out[1:1 + n], out[1 + n:]
+
