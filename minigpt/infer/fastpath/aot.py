@@ -19,6 +19,11 @@ Where: ``$MINIGPT_COMPILE_CACHE`` (a directory; ``off`` disables the cache), els
 when it is owned by this user and not writable by others -- loading an artifact runs its code, as Inductor's own
 cache does. An unreadable or stale file is compiled again and replaced; any failure of the experimental API falls
 back to the ordinary ``torch.compile`` with one warning.
+
+With ``aoti`` (``minigpt generate --compile`` on a CPU), :func:`cached_step` first tries the same step as an
+AOTInductor package (:mod:`~minigpt.infer.fastpath.aoti`, file ``KEY.pt2`` beside ``KEY.step``): no Python
+wrapper per token and no Dynamo or Inductor import to load it; a package that cannot be made falls back to the
+saved step here.
 """
 from __future__ import annotations
 

@@ -1,0 +1,138 @@
+"""Compiled decode steps saved as AOTInductor packages (minigpt.infer.fastpath.aoti): the package gives the eager
+fast path's tokens, is loaded by the next model (also by a fresh process, without importing Dynamo or Inductor),
+holds code and not weights, a bad file is compiled again, and a failed packaging falls back to the torch.compile
+step. Compiling a package takes ~20-40 s on 2 cores, so the tests that do are marked slow."""
+import json
+import os
+import subprocess
+import sys
+from functools import partial
+
+import pytest
+import torch
+from conftest import random_model
+
+from minigpt.infer.fastpath import FastPath, aot, aoti, prepare
+from minigpt.infer.fastpath.library import w8a8_available
+from minigpt.infer.fastpath.step import static_step
+from minigpt.infer.generate import generate_tokens
+from minigpt.infer.sampling import SamplingParams
+
+torch.set_num_threads(1)
+
+SHAPE = dict(vocab_size=61, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, multiple_of=16)
+make = partial(random_model, SHAPE, noise=0.05)
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
+PROMPT = [3, 14, 15, 9, 26]
+
+
+def greedy(fp) -> list[int]:
+    return list(generate_tokens(fp, PROMPT, GREEDY))
+
+
+def _step_args(fp, cache_len: int = 64):
+    cache = fp.new_kv_cache(1, cache_len)
+    zero = torch.zeros(1, dtype=torch.long)
+    return (torch.tensor([[7]]), zero + 3, zero, list(cache.k), list(cache.v))
+
+
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+def test_the_step_module_reads_the_fastpaths_own_tensors_and_computes_its_step(quantize):
+    """What export traces: every tensor the step reads is a buffer of StepModule under one stable name -- the
+    FastPath's tensor itself, never a copy (the package gets them by these names) -- and its forward is the step."""
+    fp = prepare(make(), quantize=quantize, compile=True)
+    named = aoti.step_tensors(fp)
+    module = aoti.StepModule(fp)
+    assert dict(module.named_buffers()).keys() == named.keys()
+    assert all(buf is named[name] for name, buf in module.named_buffers())
+    assert named["l1_wqkv_" + ("weight" if fp.layers[1].wqkv.words is None else "words")] is (
+        fp.layers[1].wqkv.weight if fp.layers[1].wqkv.words is None else fp.layers[1].wqkv.words)
+    args = _step_args(fp)
+    with torch.inference_mode():
+        want, got = static_step(fp, *args), module(*args)
+    torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
+    for a, b in zip(got[1] + got[2], want[1] + want[2]):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.slow
+def test_a_package_is_saved_loaded_by_the_next_model_and_gives_the_eager_tokens(tmp_path, monkeypatch):
+    eager = greedy(FastPath(make()))
+    first = FastPath(make(), compile=True, compile_cache=tmp_path, aoti=True)
+    assert greedy(first) == eager
+    assert first.compile_sources == {"aoti-saved": 1}
+    (package,) = tmp_path.glob("*" + aoti.SUFFIX)
+    assert package.stat().st_mode & 0o077 == 0 and not list(tmp_path.glob("*.step"))
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled again instead of loading the saved package")
+
+    monkeypatch.setattr(aot, "export_package", no_compile)
+    monkeypatch.setattr(aot, "compile_step", no_compile)
+    again = FastPath(make(), compile=True, compile_cache=tmp_path, aoti=True)
+    assert greedy(again) == eager
+    assert again.compile_sources == {"aoti-loaded": 1}
+    # The package holds code, not weights: other weights of the same shapes load it and get their own tokens.
+    other_eager = greedy(FastPath(make(seed=1)))
+    assert other_eager != eager
+    other = FastPath(make(seed=1), compile=True, compile_cache=tmp_path, aoti=True)
+    assert greedy(other) == other_eager and other.compile_sources == {"aoti-loaded": 1}
+
+    # A fresh process loads it without importing Dynamo or Inductor (what made a saved step cost seconds to load).
+    code = (
+        "import json, sys, torch; sys.path.insert(0, sys.argv[2]); from conftest import random_model; "
+        "from minigpt.infer.fastpath import FastPath; from minigpt.infer.generate import generate_tokens; "
+        "from minigpt.infer.sampling import SamplingParams; torch.set_num_threads(1); "
+        f"m = random_model({SHAPE!r}, noise=0.05); fp = FastPath(m, compile=True, compile_cache=sys.argv[1], "
+        "aoti=True); toks = list(generate_tokens(fp, [3, 14, 15, 9, 26], SamplingParams(max_tokens=24, "
+        "temperature=0))); print(json.dumps([toks, fp.compile_sources, 'torch._dynamo' in sys.modules, "
+        "'torch._inductor' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path), os.path.dirname(__file__) + "/.."],
+                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [eager, {"aoti-loaded": 1}, False, False]
+
+
+@pytest.mark.slow
+def test_a_corrupt_package_is_compiled_again(tmp_path):
+    eager = greedy(FastPath(make()))
+    assert greedy(FastPath(make(), compile=True, compile_cache=tmp_path, aoti=True)) == eager
+    (package,) = tmp_path.glob("*" + aoti.SUFFIX)
+    package.write_bytes(b"PK\x03\x04 not a package")
+    with pytest.warns(RuntimeWarning, match="ignoring the saved compiled step"):
+        again = FastPath(make(), compile=True, compile_cache=tmp_path, aoti=True)
+        assert greedy(again) == eager
+    assert again.compile_sources == {"aoti-saved": 1}
+
+
+@pytest.mark.slow
+def test_a_failed_packaging_falls_back_to_the_torch_compile_step_once(tmp_path, monkeypatch):
+    tries = []
+
+    def failing(*a, **k):
+        tries.append(1)
+        raise RuntimeError("unsupported here")
+
+    monkeypatch.setattr(aot, "export_package", failing)
+    fp = FastPath(make(), compile=True, compile_cache=tmp_path, aoti=True)
+    with pytest.warns(RuntimeWarning, match="packaging the compiled step with AOTInductor failed"):
+        assert greedy(fp) == greedy(FastPath(make()))
+        with torch.inference_mode():  # another shape: packaging is not tried again
+            cache = fp.new_kv_cache(2, 8)
+            fp(torch.tensor([PROMPT, PROMPT]), 0, cache)
+            fp.decode_step(torch.tensor([[4], [4]]), len(PROMPT), cache)
+    assert tries == [1] and not fp.aoti
+    assert fp.compile_sources == {"saved": 2}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not w8a8_available(), reason="FBGEMM's int8 x int8 product needs x86 with AVX512-VNNI")
+def test_an_int8_package_calls_fbgemm_and_gives_the_compiled_steps_tokens(tmp_path):
+    """int8 through FBGEMM: the package calls our op (minigpt::w8a8_mm, registered from Python) for every
+    projection; the tokens equal those of the torch.compile step, which is tested against eager elsewhere."""
+    ref = prepare(make(), quantize="int8", compile=True)
+    ref.compile_cache = False
+    assert ref.geometry.w8a8
+    want = greedy(ref)
+    fp = prepare(make(), quantize="int8", compile=True, aoti=True)
+    fp.compile_cache = tmp_path
+    assert greedy(fp) == want and fp.compile_sources == {"aoti-saved": 1}
