@@ -52,6 +52,11 @@ kernels per token:
     to :data:`DECODE_ROWS_MAX` rows in all the weights are still read once (a 5-token `small` step: 7.1 ms against
     3.8 ms for one token, where the eager forward takes 14.8 ms).
 
+  - saved per machine and shape and loaded by later processes (:mod:`~minigpt.infer.fastpath.aot`); with
+    ``aoti=True`` (``minigpt generate --compile`` on a CPU) as an AOTInductor package
+    (:mod:`~minigpt.infer.fastpath.aoti`): Inductor's C++ wrapper instead of its Python one, loaded without
+    importing Dynamo or Inductor.
+
   Compile time is measured (:attr:`FastPath.compile_seconds`, the first call of each new shape).
 
 Architectures outside the fast path (non-RoPE positions, LayerNorm, post-norm, mixture of experts, dynamic NTK

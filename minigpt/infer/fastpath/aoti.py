@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import tempfile
 import types
+import warnings
 from pathlib import Path
 
 import torch
@@ -87,17 +88,19 @@ def export_package(fp, example_args: tuple, path: Path) -> None:
     """Export the step of FastPath ``fp`` for the shapes of ``example_args`` (``token``, ``input_pos``, ``pad``,
     ``k_cache``, ``v_cache``) and compile it into an AOTInductor package at ``path``, written to a temporary file
     and renamed (readable by this user only). Raises whatever export or Inductor raise."""
-    import torch._inductor  # the heavy import, paid only when compiling
-
+    # torch._inductor is one of torch's lazily imported modules: the heavy import happens here, when compiling.
     configs = {"aot_inductor.package_constants_in_so": False, "size_asserts": False}
     if fp.compile_mode is not None:
         configs.update(torch._inductor.list_mode_options(fp.compile_mode))
-    with torch.no_grad():
-        exported = torch.export.export(StepModule(fp), example_args, strict=False)
     fd, tmp = tempfile.mkstemp(prefix=".partial-", suffix=SUFFIX, dir=path.parent)
     os.close(fd)
     try:
-        torch._inductor.aoti_compile_and_package(exported, package_path=tmp, inductor_configs=configs)
+        # torch 2.13's own pytree code warns that `isinstance(treespec, LeafSpec)` is deprecated, many times over,
+        # while exporting and packaging: nothing a user of the package can act on.
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
+            exported = torch.export.export(StepModule(fp), example_args, strict=False)
+            torch._inductor.aoti_compile_and_package(exported, package_path=tmp, inductor_configs=configs)
         os.chmod(tmp, 0o600)
         os.replace(tmp, path)
     finally:
