@@ -4,7 +4,7 @@ processes in milliseconds and run with no Python between its kernels.
 Why (measured on a 2-core Xeon, SmolLM-135M's shape, docs/benchmarks.md): the ``torch.compile`` step of
 :mod:`~minigpt.infer.fastpath.aot` is driven by Inductor's generated Python wrapper, which allocates, reinterprets
 and launches ~20 buffers and kernels per layer on every token (about 1-2 ms a token at 135M), and loading a saved
-step imports Dynamo and Inductor and re-links its kernels (1.7-3 s before the first token). An AOTInductor package
+step imports Dynamo and Inductor and re-links its kernels (1.7-5 s before the first token). An AOTInductor package
 (PyTorch's guide "AOTInductor: Ahead-Of-Time Compilation for Torch.Export-ed Models") holds the same graph lowered
 by Inductor with its C++ wrapper, built into one shared library: the call is a single C++ function, and loading
 is a ``dlopen`` through ``torch._C._aoti.AOTIModelPackageLoader`` that imports neither Dynamo nor Inductor.
@@ -19,7 +19,7 @@ copy), so one package serves every checkpoint of the same shapes, as a saved ``.
 shape and strides, threads) with the suffix ``.pt2``, in the same directory and under the same trust rules.
 
 Costs: a first compile takes longer than the ``torch.compile`` step's (export plus a C++ build of the whole
-graph: ~70-130 s at 135M on 2 cores against ~45 s), paid once per machine and shape. CPU only (other devices, and
+graph: 76-157 s at 135M on 2 cores, against 15-45 s), paid once per machine and shape. CPU only (other devices, and
 any failure of export or compilation, fall back to :mod:`~minigpt.infer.fastpath.aot`'s saved step with one warning).
 """
 from __future__ import annotations
