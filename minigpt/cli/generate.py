@@ -102,8 +102,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.seed is not None:
         torch.manual_seed(args.seed)
     out = sys.stdout
+    draft = None
+
+    def compiled_so_far() -> float:  # seconds the model (and the draft) have spent compiling steps until now
+        return sum(getattr(m, "compile_seconds", 0.0) for m in (model, draft) if m is not None)
+
     t0 = time.perf_counter()
-    n_tokens, extra, first_s = 0, "", None
+    n_tokens, extra, first_s, compile_first = 0, "", None, 0.0
     if len(prompts) > 1:
         results = generate_batch(model, encoded, params, stop_ids=stop_ids, tokenizer=tokenizer,
                                  truncate=args.truncate_prompt)
@@ -143,6 +148,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for token in tokens:
             if first_s is None:
                 first_s = time.perf_counter() - t0
+                compile_first = compiled_so_far()  # a speculative first token comes after the draft's first steps
             n_tokens += 1
             out.write(stops.push(token))
             out.flush()
@@ -157,10 +163,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                      f"{stats.tokens_per_round:.2f} tokens per target forward")
     if args.stats:
         seconds = time.perf_counter() - t0
-        compile_s = getattr(model, "compile_seconds", 0.0)
-        if args.draft:
-            compile_s += getattr(draft, "compile_seconds", 0.0)
-        line = format_stats(load_s, compile_s, sum(len(ids) for ids in encoded), first_s, n_tokens, seconds)
+        line = format_stats(load_s, compiled_so_far(), sum(len(ids) for ids in encoded), first_s, n_tokens, seconds,
+                            compile_first)
         sources = dict(getattr(model, "compile_sources", {}))
         if sources:  # how the compiled steps came: loaded from the compile cache, compiled and saved, or in-process
             extra = f" | compiled steps: {', '.join(f'{n} {how}' for how, n in sorted(sources.items()))}" + extra
@@ -168,20 +172,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_stats(load_s: float, compile_s: float, prompt_tokens: int, first_s, n_tokens: int, seconds: float
-                 ) -> str:
+def format_stats(load_s: float, compile_s: float, prompt_tokens: int, first_s, n_tokens: int, seconds: float,
+                 compile_first: float = 0.0) -> str:
     """The --stats line: ``load``, ``compile`` and ``time to first token`` in seconds, ``prefill`` and ``decode``
     in tokens/s, all to two decimals. The decode rate -- the headline -- counts the tokens after the first over
-    the time after the first, compilation excluded (it happens in the first decode steps); ``first_s`` None (a
-    batch, printed all at once) makes it every token over the whole call, compilation excluded, with no prefill
-    or first-token figure."""
+    the time after the first; compilation is excluded everywhere: ``compile_first`` of the ``compile_s`` seconds
+    came before the first token (a speculative first token follows the draft's first, compiling, steps) and are
+    taken from the first-token time, the rest from the decode time. ``first_s`` None (a batch, printed all at once)
+    makes the rate every token over the whole call, compilation excluded, with no prefill or first-token figure."""
     rate = lambda n, s: n / s if s > 0 else float("nan")  # noqa: E731
     if first_s is None:
         decode_n, decode_s, head = n_tokens, seconds - compile_s, "prefill n/a | time to first token n/a"
     else:
-        decode_n, decode_s = n_tokens - 1, seconds - first_s - compile_s
-        head = (f"prefill {prompt_tokens} tokens: {rate(prompt_tokens, first_s):.2f} tokens/s | time to first token "
-                f"{first_s:.2f} s")
+        decode_n, decode_s = n_tokens - 1, seconds - first_s - (compile_s - compile_first)
+        ttft = first_s - compile_first
+        head = (f"prefill {prompt_tokens} tokens: {rate(prompt_tokens, ttft):.2f} tokens/s | time to first token "
+                f"{ttft:.2f} s")
     return (f"[decode {rate(decode_n, decode_s):.2f} tokens/s ({decode_n} tokens in {decode_s:.2f} s) | {head} | "
             f"load {load_s:.2f} s | compile {compile_s:.2f} s | total {n_tokens} tokens in {seconds:.2f} s]")
 

@@ -84,3 +84,18 @@ def test_bench_model_path_with_int4(tied_dir, tmp_path):
                           "context of 64 tokens", "need 512")
     with pytest.raises(ValueError, match="--quantize takes int8, int4"):
         BenchSettings(quantize="int8,int3")
+
+
+def test_stats_exclude_compilation_that_came_before_the_first_token():
+    """A speculative first token follows the draft's first steps, which compile: that compile time was counted in
+    the first-token time *and* taken from the decode time, which went negative ("decode nan tokens/s (39 tokens in
+    -92.17 s)", seen with a 148 s AOTInductor compile). Here 5 of 10 compile seconds come before the first token
+    at 6 s, the call ends at 12 s: 1 s to the first token, 1 s for the 10 tokens after it."""
+    from minigpt.cli.generate import format_stats
+
+    line = format_stats(0.5, 10.0, 5, 6.0, 11, 12.0, compile_first=5.0)
+    assert "decode 10.00 tokens/s (10 tokens in 1.00 s)" in line
+    assert "prefill 5 tokens: 5.00 tokens/s | time to first token 1.00 s" in line
+    assert "compile 10.00 s" in line and "total 11 tokens in 12.00 s" in line
+    # Compilation only after the first token (no draft): as before.
+    assert "decode 5.00 tokens/s (10 tokens in 2.00 s)" in format_stats(0.5, 4.0, 5, 1.0, 11, 7.0)
