@@ -148,13 +148,9 @@ def cached_step(fp, example_args: tuple, directory: Optional[Path | bool] = None
         if packaged is not None:
             return packaged
     path = directory / f"{key}.step"
-    if path.is_file():
-        try:
-            if not _trusted(path):
-                raise PermissionError("owned by another user or writable by others")
-            return _bound(load_step(path), fp), "loaded"
-        except Exception as e:  # any unreadable artifact: compile again and replace it
-            _warn(f"ignoring the saved compiled step {path} ({type(e).__name__}: {str(e)[:200]}); compiling it again")
+    step = _load_saved(path, lambda p: _bound(load_step(p), fp))
+    if step is not None:
+        return step, "loaded"
     try:
         compiled = compile_step(fp, fp.compile_mode, serializable=True).aot_compile((example_args, {}))
     except Exception as e:  # the API is experimental: fall back to the ordinary compile
@@ -168,16 +164,26 @@ def cached_step(fp, example_args: tuple, directory: Optional[Path | bool] = None
     return _bound(compiled, fp), "saved"
 
 
+def _load_saved(path: Path, load: Callable[[Path], Callable]) -> Optional[Callable]:
+    """``load(path)`` for a saved step or package; None when there is none, or (after one warning: the caller
+    compiles it again and replaces it) when it is not trusted or cannot be loaded."""
+    if not path.is_file():
+        return None
+    try:
+        if not _trusted(path):
+            raise PermissionError("owned by another user or writable by others")
+        return load(path)
+    except Exception as e:  # any unreadable artifact
+        _warn(f"ignoring the saved compiled step {path} ({type(e).__name__}: {str(e)[:200]}); compiling it again")
+        return None
+
+
 def _packaged_step(fp, example_args: tuple, directory: Path, path: Path) -> Optional[tuple[Callable, str]]:
     """The AOTInductor step at ``path``, loaded, or compiled and saved there first; None (after one warning) when
     packaging fails. A file that cannot be trusted or loaded is compiled again and replaced."""
-    if path.is_file():
-        try:
-            if not _trusted(path):
-                raise PermissionError("owned by another user or writable by others")
-            return PackagedStep(path, fp), "aoti-loaded"
-        except Exception as e:  # any unreadable package: compile again and replace it
-            _warn(f"ignoring the saved compiled step {path} ({type(e).__name__}: {str(e)[:200]}); compiling it again")
+    step = _load_saved(path, lambda p: PackagedStep(p, fp))
+    if step is not None:
+        return step, "aoti-loaded"
     try:
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         export_package(fp, example_args, path)
