@@ -1,6 +1,6 @@
 """``python -m minigpt`` (and ``torchrun -m minigpt``) runs the CLI."""
 import sys
 
-from minigpt.cli import main
+from minigpt.cli import run
 
-sys.exit(main())
+sys.exit(run())

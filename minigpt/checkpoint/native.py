@@ -144,9 +144,15 @@ def check_shapes(expected: dict[str, torch.Tensor], sd: dict[str, torch.Tensor],
 
 
 def load_state_into(model: Transformer, sd: dict[str, torch.Tensor], source: str) -> None:
-    """Copy ``sd`` into ``model``, raising :class:`MiniGPTError` on missing/unexpected tensors or shape mismatch."""
+    """Make ``sd``'s tensors ``model``'s parameters (``load_state_dict(assign=True)``: no copy; a tensor read from
+    a safetensors file stays a view of its memory-mapped pages), raising :class:`MiniGPTError` on
+    missing/unexpected tensors or shape mismatch. The tied LM head is re-tied to the new embedding."""
     check_shapes(model_state_dict(model), sd, source)
-    model.load_state_dict(sd, strict=False)  # strict=False only because the tied head is absent from sd
+    # Why not a copy into the model's own storage: that copy was 0.22 s of every `minigpt generate` at 135M
+    # parameters in fp32 (measured), for tensors the fast path reads, or fuses into new ones, once.
+    model.load_state_dict(sd, strict=False, assign=True)  # strict=False only because the tied head is absent from sd
+    if model.config.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
 
 
 def load_config(directory: str | Path) -> ModelConfig:
@@ -221,20 +227,18 @@ def load_model(
     if quantization is not None:
         quantization = check_quantization(quantization, str(source))
         # Shapes checked on the meta device first, as below; load_quantized names missing tensors its own way.
-        check_shapes(_on_meta(lambda: build_quantized(config, "meta", quantization), source).state_dict(), tensors,
-                     str(source), names=False)
-        return load_quantized(config, tensors, str(source), device, dtype, quantization)
+        meta = _on_meta(lambda: build_quantized(config, "meta", quantization), source)
+        check_shapes(meta.state_dict(), tensors, str(source), names=False)
+        return load_quantized(config, tensors, str(source), device, dtype, quantization, on_meta=meta)
     model = _on_meta(lambda: Transformer(config), source)
     # Checked while the model is still on the meta device: a header that claims a vocabulary or width its tensors
     # do not have is refused here rather than sizing the allocation below.
     check_shapes(model_state_dict(model), tensors, str(source))
     model = materialize(model, device)
     model.init_rope(device)
-    if config.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight
-    # load_state_dict copies (and so converts) every tensor into the float32 parameters, whatever its dtype.
     load_state_into(model, tensors, str(source))
-    model = model.to(dtype=dtype or torch.float32)
+    # The parameters now have the stored dtype (and the CPU): converted here, a no-op where they already match.
+    model = model.to(device=device, dtype=dtype or torch.float32)
     return model.eval()
 
 

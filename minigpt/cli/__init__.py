@@ -9,6 +9,7 @@ Errors a user can fix (bad config, missing data, prompt too long, broken checkpo
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -42,5 +43,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def run() -> int:
+    """The ``minigpt`` executable (and ``python -m minigpt``): :func:`main`, then a cheaper interpreter exit.
+
+    Why: at exit CPython's last garbage collections walk every object torch's modules made, 0.4-0.5 s on a 2-core
+    Xeon (measured: the same for ``python -c "import torch"``) after a command's work is done; frozen objects
+    (``gc.freeze``) are not walked, which took the exit to 0.1-0.2 s. ``atexit`` handlers and reference-counted
+    clean-up still run. Not done in :func:`main`, which tests call in-process."""
+    code = main()
+    gc.freeze()
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import random_model
 
 from minigpt.checkpoint.native import load_model, save_pretrained
@@ -45,3 +46,30 @@ def test_a_model_loaded_through_the_meta_device_has_its_weights_and_rope_tables(
         assert loaded.state_dict()[name].equal(t), name
     assert loaded.rope_cos.device.type == "cpu" and loaded.rope_cos.equal(model.rope_cos)
     assert loaded.rope_sin.equal(model.rope_sin)
+
+
+def _mapped_ranges(name: str) -> list[tuple[int, int]]:
+    with open("/proc/self/maps") as f:
+        return [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in f if line.rstrip().endswith(name)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_float_weights_are_the_files_own_pages_not_a_copy_and_the_head_stays_tied(tmp_path):
+    model = random_model({**SHAPE, "tie_embeddings": True})
+    path = save_pretrained(model, tmp_path / "m")
+    loaded = load_model(path)
+    ranges = _mapped_ranges("model.safetensors")
+    assert ranges, "the weights file is not memory-mapped"
+    for name, p in loaded.named_parameters():
+        assert any(lo <= p.data_ptr() < hi for lo, hi in ranges), name  # a copy would live elsewhere
+        assert p.equal(model.state_dict()[name]), name
+    assert loaded.output.weight is loaded.tok_embeddings.weight
+
+
+def test_weights_stored_in_another_dtype_are_converted_on_load(tmp_path):
+    model = random_model(SHAPE)
+    path = save_pretrained(model.to(torch.bfloat16), tmp_path / "m")
+    loaded = load_model(path)
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+    assert load_model(path, dtype=torch.bfloat16).layers[0].attention.wq.weight.equal(
+        model.layers[0].attention.wq.weight)

@@ -137,3 +137,22 @@ def test_a_reader_closing_the_pipe_early_is_not_an_error(tiny_ckpt):
 def test_seed_and_draft_k_out_of_range_name_the_flag(tiny_ckpt, args, fragment):
     """They were "Overflow when unpacking long long" and "max_tokens (100005) must be below ...", naming no flag."""
     assert_one_line_error(run_cli("generate", tiny_ckpt, "--prompt", "a", *args), fragment)
+
+
+def test_the_executables_exit_through_run_which_keeps_mains_status_and_freezes_the_heap(monkeypatch):
+    import gc
+    import tomllib
+    from pathlib import Path
+
+    import minigpt.cli as cli
+
+    root = Path(cli.__file__).resolve().parents[2]
+    assert tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]["minigpt"] == "minigpt.cli:run"
+    assert "run()" in (root / "minigpt" / "__main__.py").read_text()
+    monkeypatch.setattr(cli, "main", lambda: 3)
+    gc.unfreeze()
+    try:
+        assert cli.run() == 3
+        assert gc.get_freeze_count() > 0  # the interpreter's last collections skip these objects
+    finally:
+        gc.unfreeze()
