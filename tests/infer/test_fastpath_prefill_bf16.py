@@ -8,6 +8,7 @@ import torch
 from conftest import random_model
 
 from minigpt.infer.fastpath import DECODE_ROWS_MAX, Proj, kernels, prepare
+from minigpt.infer.fastpath.library import aten_woq_wanted
 from minigpt.model.quant import dequantize_weight, dequantize_weight_int4, quantize_weight, quantize_weight_int4
 from minigpt.runtime import native_bf16
 
@@ -62,13 +63,33 @@ def test_without_native_bf16_prefill_keeps_the_float32_product(kind, monkeypatch
 @needs_bf16
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_a_quantized_models_prefill_logits_stay_within_bf16_rounding(quantize, monkeypatch):
-    """Two layers and the head, 24 prompt tokens: the logits against the float32 dequantized prefill. Bound: twice
+    """Two layers and the head, 24 prompt tokens (int4: more than INT4_ATEN_ROWS_MAX): the logits against the float32 dequantized prefill. Bound: twice
     one product's, the norms rescaling rather than compounding the errors. (int8 on ATen's kernels: by default its
     rows of any number go through FBGEMM, test_fastpath_w8a8.)"""
-    tokens = torch.randint(0, 61, (1, 24), generator=torch.Generator().manual_seed(4))
+    n = 24 if quantize == "int8" else kernels.INT4_ATEN_ROWS_MAX + 8  # int4: past the rows ATen's kernel takes
+    tokens = torch.randint(0, 61, (1, n), generator=torch.Generator().manual_seed(4))
     fast = prepare(make(), quantize=quantize, woq_kernel="aten")
     with torch.inference_mode():
-        bf16 = fast(tokens, 0, fast.new_kv_cache(1, 24))
+        bf16 = fast(tokens, 0, fast.new_kv_cache(1, n))
         monkeypatch.setattr(kernels, "native_bf16", lambda device_type="cpu": False)
-        fp32 = fast(tokens, 0, fast.new_kv_cache(1, 24))
+        fp32 = fast(tokens, 0, fast.new_kv_cache(1, n))
     assert 0 < rel(bf16, fp32) < 2 * BF16_PRODUCT
+
+
+@pytest.mark.skipif(not aten_woq_wanted("auto"), reason="ATen's int4 kernel serves AVX-512 CPUs only here")
+def test_a_short_int4_prompt_goes_through_atens_kernel_like_the_decode_steps(monkeypatch):
+    """Up to INT4_ATEN_ROWS_MAX prompt rows: ATen's int4 kernel (faster than dequantizing every matrix for a short
+    prompt), and the last position's logits those of a token-by-token prefill through the same kernel."""
+    n = kernels.INT4_ATEN_ROWS_MAX
+    tokens = torch.randint(0, 61, (1, n), generator=torch.Generator().manual_seed(5))
+    fast = prepare(make(), quantize="int4", woq_kernel="aten")
+    rows, original = [], kernels.aten_woq_linear
+    monkeypatch.setattr(kernels, "aten_woq_linear", lambda p, x, g: rows.append(x.numel() // x.shape[-1])
+                        or original(p, x, g))
+    with torch.inference_mode():
+        whole = fast(tokens, 0, fast.new_kv_cache(1, n), last_only=True)[0, -1]
+        assert set(rows) == {n, 1}  # every layer's projections, and the head on the last position
+        cache = fast.new_kv_cache(1, n)
+        for i in range(n):
+            one = fast(tokens[:, i:i + 1], i, cache, last_only=True)[0, -1]
+    assert rel(whole, one) < BF16_PRODUCT

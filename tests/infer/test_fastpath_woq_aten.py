@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import random_model
 
-from minigpt.infer.fastpath import DECODE_ROWS_MAX, FastPath, Proj, decode_linear, prepare
+from minigpt.infer.fastpath import DECODE_ROWS_MAX, FastPath, Proj, decode_linear, kernels, prepare
 from minigpt.infer.fastpath.library import aten_woq_layout, aten_woq_wanted
 from minigpt.infer.generate import generate_tokens
 from minigpt.infer.sampling import SamplingParams
@@ -110,17 +110,19 @@ def test_compiled_step_through_aten_keeps_the_eager_greedy_tokens_on_stories260k
 def test_eager_decode_steps_use_aten_kernels_and_prefill_keeps_the_dequantized_product(quantize):
     """Without compiling, decode steps (at most DECODE_ROWS_MAX rows) go through the same ATen kernels (measured
     on a 135M model: the eager CLI's int8 decode 17 -> 58 and int4 11 -> 77 tokens/s), within the compiled
-    test's bound of the dequantized path; a prefill of more rows keeps the dequantized GEMM (in bf16 where the CPU
-    has native bf16, test_fastpath_prefill_bf16), bit for bit the same whichever decode kernel is chosen."""
-    tokens = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(2))
+    test's bound of the dequantized path; a prefill of more rows (int4: more than INT4_ATEN_ROWS_MAX, which go
+    through ATen's kernel too) keeps the dequantized GEMM (in bf16 where the CPU has native bf16,
+    test_fastpath_prefill_bf16), bit for bit the same whichever decode kernel is chosen."""
+    n = 8 if quantize == "int8" else kernels.INT4_ATEN_ROWS_MAX // 2 + 4  # prompt columns; 2 rows each
+    tokens = torch.randint(0, 61, (2, n + 8), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         prefill, decode = [], []
         for kernel in ("words", "aten"):
             fast = prepare(make(), quantize=quantize, woq_kernel=kernel)
             assert not fast.compiled
-            cache = fast.new_kv_cache(2, 16)
-            prefill.append(fast(tokens[:, :8], 0, cache))  # 16 rows
-            decode.append(torch.stack([fast.decode_step(tokens[:, i:i + 1], i, cache) for i in range(8, 16)], 1))
+            cache = fast.new_kv_cache(2, n + 8)
+            prefill.append(fast(tokens[:, :n], 0, cache))
+            decode.append(torch.stack([fast.decode_step(tokens[:, i:i + 1], i, cache) for i in range(n, n + 8)], 1))
     assert fast.layers[0].wqkv.word_scale.dtype == torch.bfloat16 and fast.head.word_scale.dtype == torch.bfloat16
     assert torch.equal(prefill[1], prefill[0])
     assert 0 < rel(decode[1], decode[0]) < 2 * ONE_PRODUCT
