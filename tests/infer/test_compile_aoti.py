@@ -55,6 +55,17 @@ def test_the_step_module_reads_the_fastpaths_own_tensors_and_computes_its_step(q
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
+def test_a_killed_compiles_leftover_is_removed_once_stale_and_a_fresh_one_kept(tmp_path):
+    stale, fresh, package = (tmp_path / ".partial-a.pt2", tmp_path / ".partial-b.pt2", tmp_path / "k.pt2")
+    for f in (stale, fresh, package):
+        f.write_bytes(b"x")
+    old = os.stat(stale).st_mtime - aoti.PARTIAL_MAX_AGE_S - 60
+    os.utime(stale, (old, old))
+    os.utime(package, (old, old))  # a finished package of any age stays
+    assert aoti.remove_stale_partials(tmp_path) == [stale]
+    assert not stale.exists() and fresh.exists() and package.exists()
+
+
 @pytest.mark.slow
 def test_a_package_is_saved_loaded_by_the_next_model_and_gives_the_eager_tokens(tmp_path, monkeypatch):
     eager = greedy(FastPath(make()))

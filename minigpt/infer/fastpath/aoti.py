@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import types
 import warnings
 from pathlib import Path
@@ -84,14 +85,35 @@ class StepModule(nn.Module):
         return static_step(view, token, input_pos, pad, k_cache, v_cache)
 
 
+# A compile killed midway (Ctrl-C in a first `generate --compile`) leaves its temporary file behind; one still
+# being written by another process is younger than this.
+PARTIAL_MAX_AGE_S = 24 * 3600
+
+
+def remove_stale_partials(directory: Path, max_age_s: float = PARTIAL_MAX_AGE_S) -> list[Path]:
+    """Delete the temporary files (``.partial-*.pt2``) of :func:`export_package` in ``directory`` last modified more
+    than ``max_age_s`` seconds ago; returns those removed. Never raises for a file that vanished meanwhile."""
+    removed, now = [], time.time()
+    for leftover in directory.glob(f".partial-*{SUFFIX}"):
+        try:
+            if now - leftover.stat().st_mtime > max_age_s:
+                leftover.unlink()
+                removed.append(leftover)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
 def export_package(fp, example_args: tuple, path: Path) -> None:
     """Export the step of FastPath ``fp`` for the shapes of ``example_args`` (``token``, ``input_pos``, ``pad``,
     ``k_cache``, ``v_cache``) and compile it into an AOTInductor package at ``path``, written to a temporary file
-    and renamed (readable by this user only). Raises whatever export or Inductor raise."""
+    and renamed (readable by this user only); stale temporary files of killed compiles are removed first
+    (:func:`remove_stale_partials`). Raises whatever export or Inductor raise."""
     # torch._inductor is one of torch's lazily imported modules: the heavy import happens here, when compiling.
     configs = {"aot_inductor.package_constants_in_so": False, "size_asserts": False}
     if fp.compile_mode is not None:
         configs.update(torch._inductor.list_mode_options(fp.compile_mode))
+    remove_stale_partials(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=".partial-", suffix=SUFFIX, dir=path.parent)
     os.close(fd)
     try:
