@@ -73,3 +73,17 @@ def test_weights_stored_in_another_dtype_are_converted_on_load(tmp_path):
     assert {p.dtype for p in loaded.parameters()} == {torch.float32}
     assert load_model(path, dtype=torch.bfloat16).layers[0].attention.wq.weight.equal(
         model.layers[0].attention.wq.weight)
+
+
+def test_changing_a_loaded_models_weights_in_place_never_reaches_the_file(tmp_path):
+    """The mapping is private (copy on write): training or merging an adapter into a loaded model in place must
+    leave its checkpoint as it was."""
+    model = random_model(SHAPE)
+    path = save_pretrained(model, tmp_path / "m")
+    before = (path / "model.safetensors").read_bytes()
+    loaded = load_model(path)
+    with torch.no_grad():
+        for p in loaded.parameters():
+            p.add_(1.0)
+    assert (path / "model.safetensors").read_bytes() == before
+    assert all(a.equal(b) for a, b in zip(load_model(path).parameters(), model.parameters()))
