@@ -51,6 +51,7 @@ def three_layers_compiled(tokens: torch.Tensor):
     return full, fast, fast.new_kv_cache(tokens.shape[0], 30)
 
 
+@pytest.mark.slow
 def test_compiled_decode_step_equals_plain_forward_and_batches():
     model = make()
     prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4]]
@@ -75,6 +76,7 @@ def test_compiled_decode_step_equals_plain_forward_and_batches():
     assert compiled._compiled_shapes == {(2, 1, CACHE_BUCKET), (3, 1, CACHE_BUCKET), (1, 1, CACHE_BUCKET)}
 
 
+@pytest.mark.slow
 def test_compiled_int8_and_bf16_steps():
     """int8: the compiled step reads the weights as float32 words (int8_words) and must equal the eager int8 path
     up to summation order. bf16 weights: the compiled step keeps activations in float32 while the eager step rounds
@@ -142,6 +144,7 @@ def test_compiled_step_with_several_layers_writes_the_cache_it_reads():
     torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_compiled_steps_run_inside_and_outside_inference_mode():
     """generate_batch runs under inference_mode; the step's reused position buffer, first made there, must still
     be writable by a later step outside it (an inference tensor is not)."""

@@ -222,6 +222,7 @@ def test_fast_path_grows_the_lazy_rope_tables(monkeypatch, compile):
     torch.testing.assert_close(step, ref[:, 39], atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_compiled_steps_stay_right_when_a_longer_cache_grows_the_rope_tables(monkeypatch):
     """A compiled step made while the tables held 64 rows, then a 128-position cache that grows them: the steps
     compiled before the growth are dropped (they captured the old tables), and decoding on the old cache length and

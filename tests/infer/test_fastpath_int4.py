@@ -41,6 +41,7 @@ def test_int4_word_kernel_equals_dequantized_product(float32_prefill):
         torch.testing.assert_close(Proj(packed, scale, bias)(x), want, atol=1e-4, rtol=1e-5)  # eager
 
 
+@pytest.mark.slow
 def test_compiled_int4_decode_equals_eager_int4(float32_prefill):
     """The compiled int4 step (batch 2, fused wqkv / w13 of packed rows) equals the eager int4 fast path and the
     quantized model's own forward, step by step."""

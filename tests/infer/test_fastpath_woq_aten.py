@@ -88,6 +88,7 @@ def test_compiled_step_through_aten_equals_the_eager_quantized_model(quantize):
 GREEDY_32 = SamplingParams(max_tokens=32, temperature=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_compiled_step_through_aten_keeps_the_eager_greedy_tokens_on_stories260k(shared_data, quantize):
     """stories260K's FFN has 172 inputs: its ``w2`` stays on the generated loop (int8 words), which an earlier

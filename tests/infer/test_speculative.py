@@ -63,6 +63,7 @@ def test_speculative_greedy_equals_plain_greedy(k, fast):
     assert 0 <= stats.accepted <= stats.proposed and stats.rounds > 0
 
 
+@pytest.mark.slow
 def test_speculative_greedy_with_compiled_models_equals_plain_greedy():
     """Both models compiled: the verify and the draft's catch-up go through the compiled multi-token step
     (FastPath.decode_tokens), and greedy output still equals the target's own greedy output."""

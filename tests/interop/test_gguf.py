@@ -42,6 +42,7 @@ random_model = partial(random_model, GGUF_SHAPE, norm_noise=0.1)
 
 
 # ------------------------------------------------------------------------------------------------ round trips
+@pytest.mark.slow
 def test_f32_round_trip_is_identical(tmp_path, tokenizer):
     model = random_model(tie_embeddings=False, attention_bias=True)
     save_pretrained(model, tmp_path / "ours", tokenizer)

@@ -418,6 +418,7 @@ def test_errors_are_one_clear_line(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ end to end
+@pytest.mark.slow
 def test_trained_model_exports_and_generates_the_same_text_in_transformers(tiny_data, tmp_path):
     """Train a few steps, export, and compare `minigpt generate --temperature 0` with transformers' greedy
     `generate` in a fresh Python process (AutoModelForCausalLM + AutoTokenizer, offline)."""

@@ -310,6 +310,7 @@ def _train(tmp_path, data, *args):
                            *args], capture_output=True, text=True, env=ENV, timeout=300)
 
 
+@pytest.mark.slow
 def test_variants_selectable_from_cli_and_yaml(tiny_data, tmp_path):
     from conftest import TINY_MODEL
 

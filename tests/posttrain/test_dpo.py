@@ -325,6 +325,7 @@ def test_lora_dpo_cli_with_precomputed_reference_and_ipo(tmp_path, base):
         torch.testing.assert_close(rebuilt(x), load_model(out)(x), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_dpo_cli_errors_are_one_line(tmp_path, base):
     model_dir, train, _ = base
     bad = tmp_path / "bad.jsonl"

@@ -51,6 +51,7 @@ def test_corpus_forms_and_checker(poems):
         check_form(quatrain.text, "詞")
 
 
+@pytest.mark.slow
 def test_split_by_title_keeps_evaluation_titles_out_of_training(poems, sets):
     held = {p["title"] for p in sets["eval_prompts"]}
     assert len(held) == 50 == len(sets["eval_prompts"])
@@ -83,6 +84,7 @@ def run_script(name, *args):
                           text=True, env=CLI_ENV, timeout=300)
 
 
+@pytest.mark.slow
 def test_poetry_scripts_run(tmp_path):
     out = tmp_path / "poetry"
     proc = run_script("build_poetry_sets.py", "--out-dir", out, "--eval-titles", 20, "--seed", 3)

@@ -57,6 +57,7 @@ def single(tiny_data, tmp_path_factory):
 ATOL = 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_match_one_process(tiny_data, tmp_path, single, parallel):
     rows = run_train(tiny_data, tmp_path / "run", 2, "--parallel", parallel, batch_size=4)
