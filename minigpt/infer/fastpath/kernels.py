@@ -86,8 +86,8 @@ class Proj:
         that a row's result never depends on how many rows share the call (a prompt prefilled beside others, a
         chunked prefill, a decode step: the same numbers). int8/int4 weights given ATen's layout
         (:func:`aten_woq_layout`): a few rows (int4: up to :data:`INT4_ATEN_ROWS_MAX`) through ATen's weight-only
-        kernels on bf16 activations (the compiled step's numerics); more rows through the dequantized GEMM, in bf16 on CPUs with native bf16
-        (:meth:`_bf16_gemm`), else in float32."""
+        kernels on bf16 activations (the compiled step's numerics); more rows through the dequantized GEMM, in bf16
+        on CPUs with native bf16 (:meth:`_bf16_gemm`), else in float32."""
         w, rows = self.weight, x.numel() // x.shape[-1]
         if self.w8a8 is not None:  # FBGEMM, as in the compiled step, for every row count
             return w8a8_linear(self, x)
