@@ -120,6 +120,7 @@ def test_a_prompt_the_model_has_no_rows_for_is_a_one_line_error(tiny_data, tmp_p
     assert_one_line_error(run_cli("generate", path, *GREEDY, "--prompt", text), "outside the model's vocabulary")
 
 
+@pytest.mark.slow
 def test_bench_smoke(tmp_path):
     pytest.importorskip("transformers")
     # The 300-token prefill is longer than the `tiny` preset's 256-token context: bench models must be built longer.

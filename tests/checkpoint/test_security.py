@@ -66,6 +66,7 @@ def test_a_real_index_reads_back(trained_run):
     assert any(k.startswith("model.") for k in meta.state_dict_metadata)
 
 
+@pytest.mark.slow
 def test_consolidate_refuses_a_crafted_index(trained_run, tmp_path):
     import shutil
 

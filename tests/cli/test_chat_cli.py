@@ -93,6 +93,7 @@ def test_generate_chat_answers_and_stops_at_the_end_of_turn(chatml_dir):
     assert system.returncode == 0 and IM_START not in system.stdout and IM_END not in system.stdout
 
 
+@pytest.mark.slow
 def test_prompt_special_tokens_and_no_special(chatml_dir):
     """70 written <|im_start|> are 70 ids by default (over the 64-token context), the plain encoding with
     --no-special; the error names the prompt's length, which shows the encoding used."""
@@ -109,6 +110,7 @@ def test_prompt_special_tokens_and_no_special(chatml_dir):
     assert_one_line_error(run_cli("generate", chatml_dir, "--chat", "hi", "--prompt", "x"), "--chat")
 
 
+@pytest.mark.slow
 def test_bos_follows_the_model_tokenizer(tmp_path):
     """add_bos_token true in tokenizer_config.json: every prompt starts with BOS (once, even when written)."""
     tok = word_tokenizer(chat_tokens=False)

@@ -50,6 +50,7 @@ def test_eval_errors_are_one_line(native_model, tmp_path):
     assert_one_line_error(proc, f"{broken / 'piqa_validation.jsonl'}:2:", "missing field 'label'")
 
 
+@pytest.mark.slow
 def test_output_paths_and_reference_are_checked_before_the_evaluation(tmp_path):
     """A bad --output, --report or --reference used to fail only after the whole evaluation had run. Here the
     model does not even exist: the path error must come first."""

@@ -109,6 +109,7 @@ def test_compiled_int8_and_bf16_steps():
                 assert (outs[0] - ref).abs().max() < tol and (outs[1] - ref).abs().max() < tol
 
 
+@pytest.mark.slow
 def test_compiled_int8_step_above_the_matrix_vector_batch(float32_prefill):
     """More rows than DECODE_ROWS_MAX: the compiled int8 step unpacks the words into a matrix for one GEMM, and
     must still equal the eager int8 path row for row."""
@@ -119,6 +120,7 @@ def test_compiled_int8_step_above_the_matrix_vector_batch(float32_prefill):
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_compiled_int8_step_on_widths_without_a_word_view():
     """An input width that is not a multiple of 4 (``dim`` 30) has no float32-word view (``int8_words`` is None):
     those projections fall back to converting int8 rows in the loop, the others (``w2``, input width 64) still read
@@ -130,6 +132,7 @@ def test_compiled_int8_step_on_widths_without_a_word_view():
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_compiled_step_with_several_layers_writes_the_cache_it_reads():
     """Three layers (the compile regions are reused across layers): compiled steps equal the plain forward, and
     the cache they leave behind is the one an eager forward continues from (an in-graph cache write once left

@@ -147,3 +147,39 @@ def test_an_int8_package_calls_fbgemm_and_gives_the_compiled_steps_tokens(tmp_pa
     fp = prepare(make(), quantize="int8", compile=True, aoti=True)
     fp.compile_cache = tmp_path
     assert greedy(fp) == want and fp.compile_sources == {"aoti-saved": 1}
+
+
+def test_a_packages_key_leaves_out_the_cache_length_and_a_saved_steps_keeps_it():
+    """A package is exported with the cache length dynamic (aoti._any_cache_length), so its file name must not
+    depend on it; a saved torch.compile step is specialised to it, so its name must."""
+    fp = FastPath(make(), compile=True, compile_cache=False)
+    short, long = _step_args(fp, 32), _step_args(fp, 64)
+    assert aot.step_key(fp, 1, 1, None, short) == aot.step_key(fp, 1, 1, None, long)
+    assert aot.step_key(fp, 1, 1, 32, short) != aot.step_key(fp, 1, 1, 64, long)
+    assert aot.step_key(fp, 1, 1, None, short) != aot.step_key(fp, 2, 1, None, short)
+    assert aot.step_key(fp, 1, 1, None, short) != aot.step_key(fp, 1, 1, 32, short)
+    dynamic = aoti._any_cache_length(long)
+    assert [d[2].__name__ for d in dynamic["k_cache"] + dynamic["v_cache"]] == ["cache_len"] * 4
+
+
+@pytest.mark.slow
+def test_one_package_serves_every_cache_length(tmp_path, monkeypatch):
+    """Before, the cache length (prompt + new tokens, rounded up to CACHE_BUCKET) was in the package's shape and
+    name: every new bucket compiled another package (76-157 s at 135M)."""
+    long_shape = {**SHAPE, "max_seq_len": 256}
+    model = partial(random_model, long_shape, noise=0.05)
+    lengths = [SamplingParams(max_tokens=n, temperature=0) for n in (24, 100, 180)]  # caches of 64, 128, 192
+    eager = [list(generate_tokens(FastPath(model()), PROMPT, p)) for p in lengths]
+    fp = FastPath(model(), compile=True, compile_cache=tmp_path, aoti=True)
+    assert [list(generate_tokens(fp, PROMPT, p)) for p in lengths[:2]] == eager[:2]
+    assert fp.compile_sources == {"aoti-saved": 1, "aoti-loaded": 1}
+    assert len(list(tmp_path.glob("*" + aoti.SUFFIX))) == 1
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled again instead of loading the saved package")
+
+    monkeypatch.setattr(aot, "export_package", no_compile)
+    monkeypatch.setattr(aot, "compile_step", no_compile)
+    again = FastPath(model(), compile=True, compile_cache=tmp_path, aoti=True)
+    assert list(generate_tokens(again, PROMPT, lengths[2])) == eager[2]
+    assert again.compile_sources == {"aoti-loaded": 1} and len(again.packages) == 1

@@ -62,6 +62,7 @@ def test_another_shape_precision_or_mode_gets_its_own_file():
     assert aot.step_key(FastPath(make(seed=3), compile=True), 1, 1, 64) == aot.step_key(fp, 1, 1, 64)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["garbage", "foreign"])
 def test_a_corrupt_or_untrusted_file_is_compiled_again(tmp_path, damage):
     eager = greedy_tokens(make())
@@ -126,6 +127,7 @@ def _decode_columns(fp, tokens: torch.Tensor, start: int) -> torch.Tensor:
         return torch.stack([fp.decode_step(tokens[:, i:i + 1], i, cache) for i in range(start, tokens.shape[1])], 1)
 
 
+@pytest.mark.slow
 def test_a_saved_step_is_right_for_token_views_of_other_strides(tmp_path):
     """Found with the w8a8 head's tests: a step saved while decoding column views of a ``[2, 12]`` token matrix,
     loaded for views of a ``[2, 16]`` one (same shapes, other strides), read the wrong tokens -- logits 0.78 off

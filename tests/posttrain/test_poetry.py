@@ -69,6 +69,7 @@ def test_split_by_title_keeps_evaluation_titles_out_of_training(poems, sets):
     assert build_sets(poems, seed=1, eval_titles=50)["eval_prompts"] != sets["eval_prompts"]
 
 
+@pytest.mark.slow
 def test_dpo_pairs_prefer_the_requested_form(sets):
     tasks = {r["id"].rsplit("-", 1)[1] for r in sets["sft_train"]}
     assert tasks == {"form", "continue", "author"}

@@ -88,6 +88,7 @@ def test_lora_sft_writes_a_peft_adapter_equal_to_the_merged_model(tmp_path, base
     assert not torch.equal(merged.layers[0].attention.wq.weight, load_model(model_dir).layers[0].attention.wq.weight)
 
 
+@pytest.mark.slow
 def test_sft_cli_then_generate(tmp_path, base):
     model_dir, train, val = base
     proc = run_cli("sft", "--model", model_dir, "--data", train, "--val-data", val, "--out-dir", tmp_path / "out",

@@ -290,6 +290,7 @@ def post_to(hostport, body):
     return r.status, json.loads(r.read())
 
 
+@pytest.mark.slow
 def test_context_flag_of_generate_and_chat(ckpt):
     """`--context` caps prompt + new tokens in `generate` and the conversation in `chat` (reported at start)."""
     proc = run_cli("generate", ckpt, "--prompt", "KING:", "--max-new-tokens", "20", "--context", "16")

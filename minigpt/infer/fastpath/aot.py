@@ -79,20 +79,23 @@ def _isa() -> str:
         return f"{platform.machine()} {platform.processor()}"
 
 
-def _tensor_signature(t: Any) -> str:
+def _tensor_signature(t: Any, any_length: bool = False) -> str:
     if t is not None and not isinstance(t, torch.Tensor):  # Proj.w8a8: FBGEMM's packed weight (library.w8a8_layout)
         return "w8a8"
     if t is None:
         return "-"
+    if any_length:  # a cache tensor of a package exported for every cache length: its layout without the length
+        return f"{t.dtype}{tuple(t.shape[:2])}T{tuple(t.shape[3:])}{t.is_contiguous()}{t.device.type}{t.layout}"
     # Strides too: a step is compiled for its inputs' memory layout, and a saved one runs without guards (_bound).
     strides = tuple(t.stride()) if t.layout == torch.strided else "opaque"
     return f"{t.dtype}{tuple(t.shape)}{strides}{t.device.type}{t.layout}"
 
 
-def step_key(fp, batch: int, seq: int, cache_len: int, args: tuple = ()) -> str:
+def step_key(fp, batch: int, seq: int, cache_len: Optional[int], args: tuple = ()) -> str:
     """The file name (hex sha256) of the step of FastPath ``fp`` for ``[batch, seq]`` new tokens and a cache of
-    ``cache_len`` columns, under the current grad / inference mode; ``args``: the step's example arguments, whose
-    dtypes and strides it also covers (a cache of another dtype, say)."""
+    ``cache_len`` columns (None: any length, the key of an AOTInductor package, exported with the length
+    dynamic), under the current grad / inference mode; ``args``: the step's example arguments, whose dtypes and
+    strides it also covers (a cache of another dtype, say)."""
     parts: list[Any] = [torch.__version__, sys.version_info[:2], _source_digest(), _isa(), fp.compile_mode,
                         repr(fp.geometry), batch, seq, cache_len, torch.is_grad_enabled(),
                         torch.is_inference_mode_enabled(), torch.get_num_threads()]
@@ -101,7 +104,9 @@ def step_key(fp, batch: int, seq: int, cache_len: int, args: tuple = ()) -> str:
     parts += [(fp.final_eps,) + tuple((lw.attn_norm_eps, lw.ffn_norm_eps, _tensor_signature(lw.attn_norm))
                                       for lw in fp.layers)]
     parts += ["|".join(_tensor_signature(getattr(p, name)) for name in p.__slots__) for p in projections]
-    parts += [_tensor_signature(a[0] if isinstance(a, list) else a) for a in args]  # one cache tensor per list
+    # one cache tensor per list
+    parts += [_tensor_signature(a[0], cache_len is None) if isinstance(a, list) else _tensor_signature(a)
+              for a in args]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:40]
 
 
@@ -142,11 +147,12 @@ def cached_step(fp, example_args: tuple, directory: Optional[Path | bool] = None
     token, _, _, k_cache, _ = example_args
     if directory is None:
         return compile_step(fp, fp.compile_mode), "jit"
-    key = step_key(fp, token.shape[0], token.shape[1], k_cache[0].shape[2], example_args)
     if aoti and token.device.type == "cpu":
-        packaged = _packaged_step(fp, example_args, directory, directory / f"{key}{SUFFIX}")
+        package = directory / f"{step_key(fp, token.shape[0], token.shape[1], None, example_args)}{SUFFIX}"
+        packaged = _packaged_step(fp, example_args, directory, package)
         if packaged is not None:
             return packaged
+    key = step_key(fp, token.shape[0], token.shape[1], k_cache[0].shape[2], example_args)
     path = directory / f"{key}.step"
     step = _load_saved(path, lambda p: _bound(load_step(p), fp))
     if step is not None:
@@ -180,18 +186,23 @@ def _load_saved(path: Path, load: Callable[[Path], Callable]) -> Optional[Callab
 
 def _packaged_step(fp, example_args: tuple, directory: Path, path: Path) -> Optional[tuple[Callable, str]]:
     """The AOTInductor step at ``path``, loaded, or compiled and saved there first; None (after one warning) when
-    packaging fails. A file that cannot be trusted or loaded is compiled again and replaced."""
-    step = _load_saved(path, lambda p: PackagedStep(p, fp))
-    if step is not None:
-        return step, "aoti-loaded"
-    try:
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        export_package(fp, example_args, path)
-        return PackagedStep(path, fp), "aoti-saved"
-    except Exception as e:  # export and AOTInductor are young: the torch.compile step still works
-        _warn(f"packaging the compiled step with AOTInductor failed ({type(e).__name__}: {str(e)[:200]}); "
-              "using the torch.compile step")
-        return None
+    packaging fails. A file that cannot be trusted or loaded is compiled again and replaced. A package ``fp``
+    already loaded (for another cache length: one package serves them all) is reused, not loaded again."""
+    loaded = getattr(fp, "packages", {})
+    if path in loaded:
+        return loaded[path], "aoti-loaded"
+    step, source = _load_saved(path, lambda p: PackagedStep(p, fp)), "aoti-loaded"
+    if step is None:
+        try:
+            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            export_package(fp, example_args, path)
+            step, source = PackagedStep(path, fp), "aoti-saved"
+        except Exception as e:  # export and AOTInductor are young: the torch.compile step still works
+            _warn(f"packaging the compiled step with AOTInductor failed ({type(e).__name__}: {str(e)[:200]}); "
+                  "using the torch.compile step")
+            return None
+    loaded[path] = step
+    return step, source
 
 
 def _bound(compiled, fp) -> Callable:

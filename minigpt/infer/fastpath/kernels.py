@@ -91,13 +91,14 @@ class Proj:
         w, rows = self.weight, x.numel() // x.shape[-1]
         if self.w8a8 is not None:  # FBGEMM, as in the compiled step, for every row count
             return w8a8_linear(self, x)
-        if self.aten_layout and rows <= (INT4_ATEN_ROWS_MAX if self.group_size else DECODE_ROWS_MAX):
+        group_size = self.group_size
+        if self.aten_layout and rows <= (INT4_ATEN_ROWS_MAX if group_size else DECODE_ROWS_MAX):
             # ATen's kernels, as in the compiled step
-            return aten_woq_linear(self, x, self.group_size)
+            return aten_woq_linear(self, x, group_size)
         if self.scale is not None and rows > DECODE_ROWS_MAX and x.device.type == "cpu" and native_bf16("cpu"):
             return self._bf16_gemm(x)
-        if self.scale is not None and self.scale.dim() == 2:
-            return int4_linear(x, w, self.scale, self.group_size, self.bias)
+        if group_size:
+            return int4_linear(x, w, self.scale, group_size, self.bias)
         if self.scale is not None:
             return int8_linear(x, w, self.scale, self.bias)
         if w.dtype == x.dtype:

@@ -106,6 +106,8 @@ class FastPath(nn.Module):
         self.compile_sources: dict[str, int] = {}  # "loaded" / "saved" / "jit": how many steps came each way
         self._steps: dict[tuple, Callable] = {}
         self._step_fn = None
+        # The AOTInductor packages loaded, by file: one serves every cache length of its (batch, seq).
+        self.packages: dict = {}
         self._buffers_i64: dict[tuple, torch.Tensor] = {}
         if self.reason is None:
             self._build(fuse)
@@ -207,7 +209,7 @@ class FastPath(nn.Module):
         self.model.ensure_positions(end)
         self.cos = self.model.rope_cos.to(ACT_DTYPE)
         self.sin_signed = signed_sine(self.model.rope_sin).to(ACT_DTYPE)
-        self._step_fn, self._steps = None, {}
+        self._step_fn, self._steps, self.packages = None, {}, {}
 
     @property
     def act_dtype(self) -> torch.dtype:
