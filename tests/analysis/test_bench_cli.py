@@ -139,6 +139,7 @@ def test_bench_smoke(tmp_path):
     assert_one_line_error(run_cli("bench", "--presets", "huge"), "huge")
 
 
+@pytest.mark.slow
 def test_bench_bf16_rows_are_also_compared_with_transformers_fp32(tmp_path):
     pytest.importorskip("transformers")
     proc = run_cli("bench", "--presets", "tiny", "--dtypes", "bfloat16", "--rows", "decode-b1",

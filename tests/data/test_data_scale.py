@@ -69,6 +69,7 @@ def many_jobs(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ workers
+@pytest.mark.slow
 def test_workers_give_identical_output_in_bounded_memory(tmp_path, many_jobs, monkeypatch):
     """--workers 2 writes the bytes --workers 1 writes, with a bounded queue and Python memory far below the corpus.
 
@@ -199,6 +200,7 @@ data.prepare(sys.argv[1], sys.argv[2], tokenizer=sys.argv[3], workers=2)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 def test_killed_prepare_can_be_rerun(tmp_path, small_tok):
     """SIGKILL a real prepare process while its 2 workers run: they exit too, and a re-run matches a clean run."""

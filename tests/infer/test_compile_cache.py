@@ -31,6 +31,7 @@ def forbid_compiling(monkeypatch):
     monkeypatch.setattr(aot, "compile_step", no_compile)
 
 
+@pytest.mark.slow
 def test_saved_step_is_loaded_by_the_next_model_and_gives_the_eager_tokens(tmp_path, monkeypatch):
     eager = greedy_tokens(make())
     first = FastPath(make(), compile=True, compile_cache=tmp_path)
@@ -90,6 +91,7 @@ def test_cache_off_compiles_in_process(tmp_path, monkeypatch):
     assert aot.cache_dir() == tmp_path / "here"
 
 
+@pytest.mark.slow
 def test_a_failed_ahead_of_time_compile_is_not_retried_for_the_next_shape(tmp_path, monkeypatch):
     """The AOT API is experimental: when it fails, the FastPath warns once and every shape, this one and the next,
     runs through one ordinary torch.compile'd function that gives the eager tokens."""

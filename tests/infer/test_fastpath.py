@@ -202,7 +202,7 @@ def test_batch_errors_are_clear():
         generate_batch(model, [[1] * 60, [2]], greedy(10))
 
 
-@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])  # compiled: ~9 s
 def test_fast_path_grows_the_lazy_rope_tables(monkeypatch, compile):
     """Models keep RoPE rows for the first EAGER_POSITIONS positions and grow them on demand; the fast path copies
     the tables at build time, so it must grow them too (prefill past them, and a compiled step's cache)."""

@@ -112,6 +112,7 @@ def test_a_cpu_without_vnni_keeps_int8_off_it(monkeypatch):
     assert fast.head.w8a8 is None and not fast.geometry.w8a8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["w8a8", "auto"])
 def test_compiled_steps_equal_eager(kernel):
     """The compiled step calls FBGEMM through the ``minigpt::w8a8_mm`` op on the same rows as eager decode steps:

@@ -65,6 +65,7 @@ def test_the_shapes_the_kernels_get_wrong_or_refuse_keep_the_generated_loops():
         assert p.words is None and p.word_scale is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_compiled_step_through_aten_equals_the_eager_quantized_model(quantize):
     """Batch 2, 8 decode steps of a 2-layer model: every projection and the head through ATen (the FFN's 176

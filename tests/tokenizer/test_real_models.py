@@ -386,6 +386,7 @@ def tiny_gguf(path: Path, vocab: Vocab) -> Path:
     return gguf_io.write_gguf(model_state_dict(model), model.config, path, vocab=vocab)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change,fragments", [
     ({"model": "bert"}, ["tokenizer model 'bert'", "'gpt2'", "--tokenizer FILE"]),
     ({"merges": None}, ["byte-level BPE vocabulary has no merges", "tokenizer.ggml.merges", "--tokenizer FILE"]),
