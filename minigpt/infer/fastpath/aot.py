@@ -104,7 +104,7 @@ def step_key(fp, batch: int, seq: int, cache_len: Optional[int], args: tuple = (
     parts += [(fp.final_eps,) + tuple((lw.attn_norm_eps, lw.ffn_norm_eps, _tensor_signature(lw.attn_norm))
                                       for lw in fp.layers)]
     parts += ["|".join(_tensor_signature(getattr(p, name)) for name in p.__slots__) for p in projections]
-    # one cache tensor per list
+    # A cache is a list of per-layer tensors: its first stands for all (without the length for a package).
     parts += [_tensor_signature(a[0], cache_len is None) if isinstance(a, list) else _tensor_signature(a)
               for a in args]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:40]
