@@ -13,7 +13,7 @@ import gc
 import os
 import sys
 
-from minigpt.cli import analysis, convert, data, evaluate, generate, posttrain, serve, train
+from minigpt.cli import analysis, convert, data, evaluate, generate, posttrain, quick, serve, train
 from minigpt.errors import MiniGPTError
 
 
@@ -50,9 +50,28 @@ def run() -> int:
     Xeon (measured: the same for ``python -c "import torch"``) after a command's work is done; frozen objects
     (``gc.freeze``) are not walked, which took the exit to 0.1-0.2 s. ``atexit`` handlers and reference-counted
     clean-up still run. Not done in :func:`main`, which tests call in-process."""
-    code = main()
+    code = _native(sys.argv[1:])
+    if code is None:
+        code = main()
     gc.freeze()
     return code
+
+
+def _native(argv: list[str]) -> int | None:
+    """A ``generate --compile`` call run by the native launcher without importing torch (:mod:`minigpt.cli.quick`),
+    or None for the ordinary command. Its errors print the ordinary command's one line."""
+    from minigpt.infer.launcher import NativeError
+
+    try:
+        return quick.run(argv)
+    except BrokenPipeError:  # the reader closed early, as in main
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except (MiniGPTError, NativeError, ValueError, OSError) as e:
+        if os.environ.get("MINIGPT_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 from minigpt.cli.common import add_command
-from minigpt.runtime import parse_size
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -28,7 +27,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     tok = Tokenizer.from_file(args.tokenizer) if args.tokenizer else None
     sample = (data.DEFAULT_TOKENIZER_SAMPLE_BYTES if args.tokenizer_sample_bytes is None
-              else parse_size(args.tokenizer_sample_bytes, "--tokenizer-sample-bytes"))
+              else _parse_size(args.tokenizer_sample_bytes, "--tokenizer-sample-bytes"))
     meta = data.prepare(args.data, args.out_dir, tokenizer=tok, vocab_size=None if tok else args.vocab_size,
                         val_fraction=args.val_fraction, seed=args.seed, workers=args.workers,
                         tokenizer_sample_bytes=sample, progress=True)
@@ -72,3 +71,11 @@ def register(sub) -> None:
     p.add_argument("files", nargs="+", help="text files or bundled corpus names")
     p.add_argument("--vocab-size", dest="vocab_size", type=int, default=4096)
     p.add_argument("--out", default="tokenizer.json")
+
+
+def _parse_size(text, what: str) -> int:
+    # minigpt.runtime imports torch: loaded when a command needs it, so that `import minigpt.cli` stays torch-free
+    # (the native launcher, minigpt.cli.quick, runs before torch is imported).
+    from minigpt.runtime import parse_size
+
+    return parse_size(text, what)

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from minigpt.cli import quick
 from minigpt.cli.common import add_command
 from minigpt.errors import MiniGPTError
 
@@ -27,7 +28,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     Speed: the fast path (fused projections; --no-fast turns it off) runs by default; --compile compiles the
     single-token step once per machine and shape (on a CPU as an AOTInductor package: a minute or two at 135M
     parameters the first time) and saves it (in $MINIGPT_COMPILE_CACHE, default ~/.cache/minigpt/compiled; "off"
-    disables it), so later runs load it in milliseconds; --quantize int8 / int4 quantizes the weights at load time (a directory written by
+    disables it), so later runs load it in milliseconds; a greedy (--temperature 0) one-prompt --compile call also
+    leaves a bundle of the step's tensors there, and from the second such call on (prompts up to 64 tokens) runs
+    in a native runner that never imports torch, the prompt fed through the one-token step (--no-native: neither
+    written nor used; int8 weights, whose step calls FBGEMM through Python, stay on the ordinary path); --quantize int8 / int4 quantizes the weights at load time (a directory written by
     `minigpt quantize` is already quantized); --draft CKPT decodes speculatively with a small draft model sharing
     the tokenizer (--draft-k tokens per round; the output is distributed exactly as without it, and identical when
     greedy); --threads N sets torch's intra-op threads.
@@ -169,7 +173,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if sources:  # how the compiled steps came: loaded from the compile cache, compiled and saved, or in-process
             extra = f" | compiled steps: {', '.join(f'{n} {how}' for how, n in sorted(sources.items()))}" + extra
         print(line[:-1] + extra + "]", file=sys.stderr)
+    if quick.eligible(args) and len(prompts) == 1:  # after the output and its timing: a first call's extra cost
+        _write_native_bundle(model, ckpt, args, prompt_bos(ckpt, tokenizer), stop_ids)
     return 0
+
+
+def _write_native_bundle(model, ckpt: Path, args: argparse.Namespace, bos: bool, stop_ids) -> None:
+    """After a compiled greedy call, the bundle that lets the next identical call skip ``import torch``
+    (:mod:`minigpt.cli.quick`); a failure to write it costs one warning, not this call's output."""
+    import warnings
+
+    from minigpt.infer.native import write_bundle
+
+    if getattr(model, "packages", None) is None:
+        return
+    try:
+        write_bundle(model, ckpt, args.dtype, args.quantize, args.threads, bos, stop_ids)
+    except (OSError, RuntimeError) as e:
+        warnings.warn(f"could not write the native runner's bundle ({type(e).__name__}: {str(e)[:300]})",
+                      RuntimeWarning, stacklevel=2)
 
 
 def format_stats(load_s: float, compile_s: float, prompt_tokens: int, first_s, n_tokens: int, seconds: float,
@@ -275,6 +297,9 @@ def register(sub) -> None:
     p.add_argument("--no-fast", dest="no_fast", action="store_true",
                    help="run the model's own forward instead of the fused fast path")
     p.add_argument("--compile", action="store_true", help="torch.compile the single-token decode step")
+    p.add_argument("--no-native", dest="no_native", action="store_true",
+                   help="with --compile: neither use nor write the native runner's bundle (greedy one-prompt calls "
+                   "otherwise run there, without importing torch, from the second call on)")
     p.add_argument("--compile-mode", dest="compile_mode", default=None,
                    help="torch.compile mode, e.g. max-autotune-no-cudagraphs (default: inductor's default)")
     p.add_argument("--quantize", choices=["int8", "int4"],

@@ -30,7 +30,7 @@ from minigpt.infer.sampling import InvalidRequest, SamplingParams, check_length
 from minigpt.infer.stops import default_stop_ids
 from minigpt.runtime import DTYPES, pick_device
 from minigpt.tokenizer.chat_template import ChatTemplate, TemplateRejected
-from minigpt.tokenizer.tokenizer import Tokenizer
+from minigpt.tokenizer.tokenizer import Tokenizer, encode_prompt  # noqa: F401  (re-exported)
 
 # Lone surrogates: the bytes of an input line that are not UTF-8 (stdin decodes them with surrogateescape).
 _SURROGATES = re.compile("[\ud800-\udfff]")
@@ -46,21 +46,6 @@ def prompt_bos(source: str | Path, tokenizer: Tokenizer) -> bool:
     if Path(source).suffix == ".gguf":
         return bool(tokenizer.add_bos)
     return adds_bos(source, tokenizer)
-
-
-def encode_prompt(tokenizer: Tokenizer, text: str, bos: bool = False, special: bool = True) -> list[int]:
-    """Token ids of a plain-text prompt.
-
-    ``special``: special-token text written in the prompt (``<|im_start|>``, ``<|endoftext|>``) becomes its id,
-    as ``transformers`` tokenizes by default (``split_special_tokens=False``); False encodes it as ordinary text.
-    ``bos``: start with the tokenizer's BOS (never twice: not when the text already begins with it). An empty prompt
-    gets BOS regardless, so that there is something to condition on. No BOS exists: nothing is prepended.
-    """
-    ids = tokenizer.encode(text, special=special)
-    bos_id = tokenizer.bos_id
-    if bos_id is not None and (bos or not ids) and ids[:1] != [bos_id]:
-        ids.insert(0, bos_id)
-    return ids
 
 
 def _room(ids: list[int], context: int) -> Optional[int]:

@@ -28,11 +28,9 @@ saved step here.
 from __future__ import annotations
 
 import hashlib
-import os
-import platform
 import sys
 import warnings
-from functools import lru_cache, partial
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -42,41 +40,11 @@ from torch._guards import TracingContext, tracing
 from minigpt.infer.fastpath.aoti import SUFFIX, PackagedStep, export_package
 from minigpt.infer.fastpath.step import compile_step
 
-ENV = "MINIGPT_COMPILE_CACHE"
-_PACKAGE = Path(__file__).resolve().parents[2]  # minigpt/
-
-
-def cache_dir() -> Optional[Path]:
-    """The directory of saved steps, or None when ``$MINIGPT_COMPILE_CACHE`` is ``off`` (or ``0`` / ``none``)."""
-    value = os.environ.get(ENV)
-    if value is not None and value.strip().lower() in ("", "0", "off", "none", "false"):
-        return None
-    if value:
-        return Path(value).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "minigpt" / "compiled"
-
-
-@lru_cache(maxsize=1)
-def _source_digest() -> str:
-    """sha256 of the sources the step traces: minigpt/model and minigpt/infer/fastpath."""
-    h = hashlib.sha256()
-    for folder in ("model", "infer/fastpath"):
-        for path in sorted((_PACKAGE / folder).glob("*.py")):
-            h.update(path.name.encode())
-            h.update(path.read_bytes())
-    return h.hexdigest()
-
-
-@lru_cache(maxsize=1)
-def _isa() -> str:
-    """The CPU's model and flags (Linux ``/proc/cpuinfo``), else the platform: Inductor's C++ is built for them."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        picked = [ln.split(":", 1)[1].strip() for ln in lines if ln.startswith(("flags", "model name"))][:2]
-        return " | ".join(picked)
-    except OSError:
-        return f"{platform.machine()} {platform.processor()}"
+# Shared with the torch-free launcher, which must find the same cache and compute the same keys without torch.
+from minigpt.infer.launcher import ENV, cache_dir  # noqa: F401  (ENV: the variable's name, for callers)
+from minigpt.infer.launcher import isa as _isa
+from minigpt.infer.launcher import source_digest as _source_digest
+from minigpt.infer.launcher import trusted as _trusted
 
 
 def _tensor_signature(t: Any, any_length: bool = False) -> str:
@@ -108,14 +76,6 @@ def step_key(fp, batch: int, seq: int, cache_len: Optional[int], args: tuple = (
     parts += [_tensor_signature(a[0], cache_len is None) if isinstance(a, list) else _tensor_signature(a)
               for a in args]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:40]
-
-
-def _trusted(path: Path) -> bool:
-    """Owned by this user and writable by nobody else (POSIX; elsewhere the directory's permissions decide)."""
-    if not hasattr(os, "getuid"):
-        return True
-    st = path.stat()
-    return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def _warn(message: str) -> None:

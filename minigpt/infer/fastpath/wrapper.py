@@ -28,6 +28,7 @@ from minigpt.infer.fastpath.kernels import (
 from minigpt.infer.fastpath.library import aten_woq_layout, aten_woq_wanted, w8a8_layouts, w8a8_wanted
 from minigpt.infer.fastpath.step import Geometry
 from minigpt.infer.kv_cache import LayerKVCache
+from minigpt.infer.launcher import CACHE_BUCKET
 from minigpt.model.attention import causal_mask, padded_causal_mask
 from minigpt.model.config import ModelConfig
 from minigpt.model.ffn import GATED, ffn_hidden
@@ -36,10 +37,6 @@ from minigpt.model.norm import rms_norm
 from minigpt.model.quant import SCHEMES, is_quantized, quantize_model
 from minigpt.model.rope import rope_rotate, signed_sine
 from minigpt.model.transformer import Transformer, positions_from_mask, pre_norm_residual
-
-# Cache lengths of the compiled step are rounded up to a multiple of this, so that generations of nearby lengths
-# share one compiled graph (each new [batch, cache length] pair costs a compilation).
-CACHE_BUCKET = 64
 
 
 def supports(config: ModelConfig) -> Optional[str]:

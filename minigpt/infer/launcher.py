@@ -1,0 +1,212 @@
+"""The native launcher: a saved decode-step package run through libtorch from a process that never imports torch.
+
+Why: a one-shot ``minigpt generate --compile`` spends more time starting than decoding. Measured on a 2-core Xeon
+(family 6 model 207) at 135M parameters: ``import torch`` alone is 1.3-1.8 s, llama.cpp's whole call for 128
+int4 tokens 1.4-1.8 s (docs/benchmarks.md). Loading ``libtorch_cpu.so`` itself takes 0.25-0.3 s; the rest of
+``import torch`` is torch's Python modules, which the compiled step does not need: an AOTInductor package
+(:mod:`minigpt.infer.fastpath.aoti`) is one C++ function over tensors.
+
+How: a ``--compile`` run that loaded a step package also writes a *bundle* (:mod:`minigpt.infer.fastpath.native`):
+every tensor the package reads, in one file memory-mapped by the runner (``tensors.bin`` + ``tensors.txt``), and
+``manifest.json`` (the package, the runner library, the prompt's BOS rule, the stop ids). Its directory is named
+by :func:`launch_key`, computed here without torch from the model directory's files (path, sizes, modification
+times), the dtype, quantization and threads asked for, the torch version, MiniGPT's sources and the CPU. A later
+call with the same key tokenizes with ``tokenizers``, loads the runner (``native_runner.cpp``, built once per
+machine and torch version) with :mod:`ctypes` and runs greedy decoding there, the prompt fed through the same
+one-token step (:class:`NativeRunner`). Only this module, the tokenizer and the stop-string logic are imported.
+
+Trust: the runner and the package are code, loaded only when owned by this user and writable by no one else
+(:func:`trusted`), as the compile cache's other files.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import platform
+import sys
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+ENV = "MINIGPT_COMPILE_CACHE"
+FORMAT = 1  # of bundles and of launch_key: bump when either changes
+_PACKAGE = Path(__file__).resolve().parents[1]  # minigpt/
+RUNNER_SOURCE = _PACKAGE / "infer" / "native_runner.cpp"
+ERROR_BYTES = 2048
+# Cache lengths of the compiled step are rounded up to a multiple of this, so that generations of nearby lengths
+# share one compiled graph (a `torch.compile` step is compiled per [batch, cache length]); the native runner's
+# caches are sized the same way, so that it computes what FastPath's compiled step computes, to the bit.
+CACHE_BUCKET = 64
+
+
+class NativeError(RuntimeError):
+    """The native runner could not load or run a bundle (the message says why)."""
+
+
+def cache_dir() -> Optional[Path]:
+    """The directory of saved steps, or None when ``$MINIGPT_COMPILE_CACHE`` is ``off`` (or ``0`` / ``none``):
+    ``$MINIGPT_COMPILE_CACHE``, else ``$XDG_CACHE_HOME/minigpt/compiled`` or ``~/.cache/minigpt/compiled``."""
+    value = os.environ.get(ENV)
+    if value is not None and value.strip().lower() in ("", "0", "off", "none", "false"):
+        return None
+    if value:
+        return Path(value).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "minigpt" / "compiled"
+
+
+@lru_cache(maxsize=1)
+def source_digest() -> str:
+    """sha256 of the sources the compiled step traces: minigpt/model and minigpt/infer/fastpath (``*.py``)."""
+    h = hashlib.sha256()
+    for folder in ("model", "infer/fastpath"):
+        for path in sorted((_PACKAGE / folder).glob("*.py")):
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+@lru_cache(maxsize=1)
+def isa() -> str:
+    """The CPU's model and flags (Linux ``/proc/cpuinfo``), else the platform: Inductor's C++ is built for them."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        picked = [ln.split(":", 1)[1].strip() for ln in lines if ln.startswith(("flags", "model name"))][:2]
+        return " | ".join(picked)
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+
+
+def trusted(path: Path) -> bool:
+    """Owned by this user and writable by nobody else (POSIX; elsewhere the directory's permissions decide)."""
+    if not hasattr(os, "getuid"):
+        return True
+    st = path.stat()
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
+@lru_cache(maxsize=1)
+def torch_version() -> str:
+    """The installed torch's version, read from its package metadata (no import)."""
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+def runner_digest() -> str:
+    """sha256 of the runner's C++ source, torch's version and the Python ABI: the runner library's file name."""
+    h = hashlib.sha256(RUNNER_SOURCE.read_bytes())
+    h.update(repr((FORMAT, torch_version(), sys.version_info[:2], platform.machine())).encode())
+    return h.hexdigest()[:40]
+
+
+def launch_key(source: Path, dtype: str, quantize: Optional[str], threads: Optional[int]) -> Optional[str]:
+    """The bundle name (hex) of ``minigpt generate SOURCE --compile --dtype DTYPE [--quantize Q] [--threads N]``:
+    the model directory (resolved path; name, size and modification time of each file in it), the options, the
+    torch version, MiniGPT's sources and the CPU. None when ``source`` is not a model directory (``config.json``).
+    A rewritten checkpoint or another torch, source tree or CPU gives another key, hence no stale bundle."""
+    source = Path(source)
+    if not (source / "config.json").is_file():
+        return None
+    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in source.iterdir() if p.is_file())
+    parts = [FORMAT, str(source.resolve()), files, dtype, quantize, threads, torch_version(), sys.version_info[:2],
+             source_digest(), runner_digest(), isa()]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:40]
+
+
+def read_manifest(key: str) -> Optional[dict]:
+    """The manifest of bundle ``key`` in the compile cache, or None when there is none or it cannot be used (not
+    trusted, unreadable, or naming files that are gone)."""
+    directory = cache_dir()
+    if directory is None:
+        return None
+    path = directory / "native" / key / "manifest.json"
+    try:
+        if not path.is_file() or not trusted(path):
+            return None
+        manifest = json.loads(path.read_text())
+        if manifest.get("format") != FORMAT:
+            return None
+        for name in ("runner", "package"):
+            p = Path(manifest[name])
+            if not p.is_file() or not trusted(p):
+                return None
+        manifest["bundle"] = str(path.parent)
+        return manifest
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def cache_length(tokens: int, positions: int) -> int:
+    """FastPath's compiled cache length for ``tokens`` (prompt + new): rounded up to :data:`CACHE_BUCKET`, at most
+    ``positions`` (the model's context)."""
+    return min(positions, -(-tokens // CACHE_BUCKET) * CACHE_BUCKET)
+
+
+_ON_TOKEN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64)
+
+
+class NativeRunner:
+    """The runner library (``native_runner.cpp``) with one bundle loaded: ``package`` (an AOTInductor step of batch
+    1, one new token), ``bundle`` (its tensors), ``threads`` (0: libtorch's default). Raises :class:`NativeError`
+    when the library or the bundle cannot be loaded (a missing tensor, a truncated file, a package of another
+    structure)."""
+
+    def __init__(self, library: Path, package: Path, bundle: Path, threads: int = 0) -> None:
+        try:
+            lib = ctypes.CDLL(str(library))
+        except OSError as e:
+            raise NativeError(f"cannot load the native runner {library}: {e}") from None
+        lib.mg_open.restype = ctypes.c_void_p
+        lib.mg_open.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+        lib.mg_generate.restype = ctypes.c_long
+        lib.mg_generate.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_long, ctypes.c_long,
+                                    ctypes.c_long, ctypes.POINTER(ctypes.c_int64), ctypes.c_long, _ON_TOKEN,
+                                    ctypes.c_char_p, ctypes.c_int]
+        lib.mg_close.argtypes = [ctypes.c_void_p]
+        self._lib = lib
+        err = ctypes.create_string_buffer(ERROR_BYTES)
+        self._handle = lib.mg_open(str(package).encode(), str(bundle).encode(), threads, err, ERROR_BYTES)
+        if not self._handle:
+            raise NativeError(f"cannot load the native bundle {bundle}: {err.value.decode(errors='replace')}")
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
+                 on_token: Optional[Callable[[int], bool]] = None, cache_len: Optional[int] = None) -> list[int]:
+        """Greedy tokens after ``prompt`` (fed a token at a time through the step): at most ``max_new_tokens``,
+        ending at the first of ``stop_ids`` (included) or when ``on_token(token)`` (called for each) returns True.
+        ``cache_len``: the KV cache's columns (:func:`cache_length`; None: exactly prompt + new tokens). Raises
+        :class:`NativeError` for an empty prompt, a cache too short, or a failure inside the runner."""
+        cache_len = len(prompt) + max_new_tokens if cache_len is None else cache_len
+        if not prompt or max_new_tokens < 1 or cache_len < len(prompt) + max_new_tokens - 1:
+            raise NativeError("the native runner needs a prompt of at least one token, one new token, and a cache "
+                              "that holds them")
+        tokens: list[int] = []
+
+        def callback(token: int) -> int:
+            tokens.append(token)
+            return 1 if on_token is not None and on_token(token) else 0
+
+        keep = _ON_TOKEN(callback)  # referenced until the call returns
+        ids = (ctypes.c_int64 * len(prompt))(*prompt)
+        stops = (ctypes.c_int64 * max(1, len(stop_ids)))(*stop_ids)
+        err = ctypes.create_string_buffer(ERROR_BYTES)
+        n = self._lib.mg_generate(self._handle, ids, len(prompt), max_new_tokens, cache_len, stops, len(stop_ids), keep, err, ERROR_BYTES)
+        if n < 0:
+            raise NativeError(f"the native runner failed: {err.value.decode(errors='replace')}")
+        return tokens
+
+    def close(self) -> None:
+        """Free the bundle's mapping and the package (the object is unusable afterwards)."""
+        if self._handle:
+            self._lib.mg_close(self._handle)
+            self._handle = None
+
+    def __enter__(self) -> "NativeRunner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

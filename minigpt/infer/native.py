@@ -1,0 +1,121 @@
+"""The torch side of the native launcher (:mod:`minigpt.infer.launcher`): building the runner library and writing
+the bundle a later, torch-free ``minigpt generate --compile`` runs.
+
+A bundle is written by a ``--compile`` run that loaded (or saved) an AOTInductor step package of batch 1 and one
+new token, once per :func:`~minigpt.infer.launcher.launch_key`: the tensors of
+:func:`~minigpt.infer.fastpath.aoti.step_tensors` (the fused weights, RoPE tables, int4 levels in ATen's layout:
+what the package reads, in the layout it was compiled for), each written once even when several names share it
+(a tied head), 64-byte aligned, and a manifest; for a step whose int8 products go through FBGEMM (the
+``minigpt::w8a8_mm`` op), the list of those matrices, which the runner packs for FBGEMM when it opens the bundle
+(~0.1 s at 135M int4, whose LM head is int8; ~0.4 s for every matrix of an int8 model, on 2 cores).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from minigpt.infer.fastpath.aoti import _PROJECTIONS, step_tensors
+from minigpt.infer.launcher import FORMAT, RUNNER_SOURCE, cache_dir, launch_key, runner_digest, trusted
+
+ALIGN = 64  # bytes: tensors.bin offsets (cache lines; AOTInductor's own constants are aligned so)
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int8: "int8",
+           torch.uint8: "uint8", torch.int32: "int32", torch.int64: "int64"}
+
+
+def build_runner(directory: Path) -> Path:
+    """The runner library (``native_runner.cpp`` against this torch's headers and libraries) in ``directory``,
+    built when absent (a C++17 compiler: ``$CXX`` or ``c++``; ~15 s) and written atomically. Raises
+    ``RuntimeError`` with the compiler's last lines when the build fails."""
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    path = directory / f"runner-{runner_digest()}.so"
+    if path.is_file() and trusted(path):
+        return path
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(prefix=".partial-", suffix=".so", dir=directory)
+    os.close(fd)
+    lib = library_paths()[0]
+    cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC", "-w",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+           *(f"-I{p}" for p in include_paths()), str(RUNNER_SOURCE), "-o", tmp, f"-L{lib}", "-ltorch_cpu", "-lc10",
+           f"-Wl,-rpath,{lib}"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = " ".join(done.stderr.strip().splitlines()[-3:])
+            raise RuntimeError(f"building the native runner failed ({cmd[0]}): {tail[:400]}")
+        os.chmod(tmp, 0o700)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def write_bundle(fp, source: Path, dtype: str, quantize: Optional[str], threads: Optional[int], bos: bool,
+                 stop_ids: Sequence[int]) -> Optional[Path]:
+    """Write the native bundle of FastPath ``fp`` (loaded from the model directory ``source`` with these ``dtype``,
+    ``quantize`` and ``threads`` options, whose compiled one-token step is an AOTInductor package) unless it
+    exists; returns its directory, or None when the launcher cannot run this model (no package loaded, a tensor
+    not contiguous, no cache directory, not a model directory).
+
+    ``bos``: whether a plain prompt starts with BOS for this model; ``stop_ids``: the ids that end a generation.
+    Raises ``OSError`` / ``RuntimeError`` when writing or building fails (the caller warns and goes on)."""
+    key = launch_key(source, dtype, quantize, threads)
+    directory = cache_dir()
+    packages = [p for p in getattr(fp, "packages", {})]
+    if key is None or directory is None or len(packages) != 1:
+        return None
+    bundle = directory / "native" / key
+    if (bundle / "manifest.json").is_file():
+        return bundle
+    named = step_tensors(fp)
+    if not all(t.is_contiguous() and t.device.type == "cpu" and t.dtype in _DTYPES for t in named.values()):
+        return None
+    runner = build_runner(directory)
+    bundle.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    work = Path(tempfile.mkdtemp(prefix=".partial-", dir=bundle.parent))
+    try:
+        lines, offsets, end = [], {}, 0
+        with open(work / "tensors.bin", "wb") as f:
+            for name, t in named.items():
+                at = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+                if at not in offsets:  # a tensor under two names (the tied head and embedding) is written once
+                    end = -(-end // ALIGN) * ALIGN
+                    f.seek(end)
+                    data = t.detach().reshape(-1).view(torch.uint8).numpy()
+                    f.write(memoryview(data))
+                    offsets[at] = end
+                    end += data.nbytes
+                lines.append(" ".join(map(str, [name, _DTYPES[t.dtype], offsets[at], t.dim(), *t.shape, *t.stride()])))
+        projections = {"head": fp.head} | {f"l{i}_{name}": getattr(lw, name) for i, lw in enumerate(fp.layers)
+                                           for name in _PROJECTIONS}
+        pairs = [(f"{k}_weight", f"{k}_scale") for k, p in projections.items() if p.w8a8 is not None]
+        if any(w not in named or s not in named for w, s in pairs):
+            return None
+        (work / "w8a8.txt").write_text("".join(f"{w} {s}\n" for w, s in pairs))
+        c = fp.config
+        (work / "tensors.txt").write_text(f"minigpt-native 1 {c.n_layers} {c.n_kv_heads} {c.head_dim}\n"
+                                          + "\n".join(lines) + "\n")
+        manifest = {"format": FORMAT, "package": str(packages[0]), "runner": str(runner), "source": str(source),
+                    "bos": bool(bos), "stop_ids": [int(i) for i in stop_ids], "vocab_size": c.vocab_size,
+                    "positions": min(c.max_seq_len, int(fp.cos.shape[0]))}
+        (work / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        os.chmod(work, 0o700)
+        try:
+            os.rename(work, bundle)  # atomic: a bundle directory is complete or absent
+        except OSError:
+            if not (bundle / "manifest.json").is_file():  # not another process's bundle of the same key
+                raise
+    finally:
+        if work.exists():
+            for p in work.iterdir():
+                p.unlink()
+            work.rmdir()
+    return bundle

@@ -1,0 +1,159 @@
+"""The native launcher (minigpt.infer.launcher, minigpt.infer.native, minigpt.cli.quick): a `generate --compile`
+greedy call whose bundle exists runs the saved step package through libtorch without importing torch, gives the
+compiled step's tokens and the ordinary command's text, and a broken bundle is refused with its reason (the call
+then runs the ordinary way). The tests that compile a package and build the runner (~30-60 s) are marked slow."""
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CLI_ENV, TINY_MODEL, random_model, run_cli
+
+from minigpt.checkpoint.native import save_pretrained
+from minigpt.cli import quick
+from minigpt.cli.generate import register
+from minigpt.infer import launcher
+from minigpt.infer.fastpath import load_for_inference
+from minigpt.infer.native import write_bundle
+from minigpt.tokenizer.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+torch.set_num_threads(1)
+
+
+def test_the_command_line_and_the_launcher_import_without_torch():
+    """What the native path imports before it runs: the CLI package, its generate module, the launcher, the
+    tokenizer and the stop strings -- none of them torch (`import torch` is what the native path saves)."""
+    code = ("import sys, minigpt.cli, minigpt.cli.quick, minigpt.infer.launcher, minigpt.infer.stops, "
+            "minigpt.tokenizer.tokenizer; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=CLI_ENV)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def _model_dir(tiny_data, path: Path) -> Path:
+    tok = Tokenizer.from_dir(tiny_data)
+    # Noise large enough that greedy tokens vary (at 0.05 this shape repeats one token).
+    save_pretrained(random_model(dict(vocab_size=tok.vocab_size, **TINY_MODEL), seed=1, noise=0.5), path,
+                    tokenizer=tok)
+    return path
+
+
+def test_the_launch_key_follows_the_model_files_and_the_options(tiny_data, tmp_path):
+    model = _model_dir(tiny_data, tmp_path / "m")
+    key = launcher.launch_key(model, "float32", None, 2)
+    assert key == launcher.launch_key(model, "float32", None, 2)
+    assert len({key, launcher.launch_key(model, "bfloat16", None, 2), launcher.launch_key(model, "float32", "int4", 2),
+                launcher.launch_key(model, "float32", None, 1)}) == 4
+    weights = model / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a rewritten checkpoint: another bundle
+    assert launcher.launch_key(model, "float32", None, 2) != key
+    assert launcher.launch_key(tmp_path, "float32", None, 2) is None  # not a model directory
+
+
+def _parse(*argv) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["generate", "m", *argv])
+
+
+@pytest.mark.parametrize("extra, ok", [
+    ([], True), (["--quantize", "int4", "--threads", "2", "--stop", "."], True),
+    (["--temperature", "0.8"], False), (["--no-native"], False), (["--chat", "hi"], False),
+    (["--prompt", "b"], False), (["--draft", "d"], False), (["--context", "32"], False),
+])
+def test_only_greedy_single_prompt_compiled_calls_go_native(extra, ok):
+    args = _parse("--compile", "--temperature", "0", "--prompt", "a", *extra)
+    assert quick.eligible(args) is ok
+    assert not quick.eligible(_parse("--temperature", "0", "--prompt", "a"))  # not compiled
+
+
+def test_the_cache_length_is_the_compiled_steps():
+    assert [launcher.cache_length(n, 1024) for n in (1, 64, 65, 200)] == [64, 64, 128, 256]
+    assert launcher.cache_length(200, 100) == 100
+
+
+def test_no_bundle_means_the_ordinary_command(tiny_data, tmp_path, monkeypatch):
+    monkeypatch.setenv(launcher.ENV, str(tmp_path / "cache"))
+    model = _model_dir(tiny_data, tmp_path / "m")
+    assert quick.run(["generate", str(model), "--prompt", "a", "--temperature", "0", "--compile"]) is None
+
+
+def _greedy_through_the_step(fp, prompt: list[int], n: int) -> list[int]:
+    """The compiled step fed a token at a time, prompt included, as the native runner does."""
+    cache = fp.new_kv_cache(1, len(prompt) + n)
+    out = []
+    with torch.inference_mode():
+        for pos, token in enumerate(prompt + [None] * (n - 1)):
+            token = out[-1] if token is None else token
+            logits = fp.decode_step(torch.tensor([[token]]), pos, cache)
+            if pos >= len(prompt) - 1:
+                out.append(int(logits.argmax()))
+    return out
+
+
+@pytest.mark.slow  # compiles a package and builds the runner, ~40 s
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_the_runner_gives_the_compiled_steps_tokens_and_refuses_a_truncated_bundle(tiny_data, tmp_path, monkeypatch,
+                                                                                   quantize):
+    """In this process, which has imported the fast path (and so defines `minigpt::w8a8_mm` in Python): a model
+    whose step calls FBGEMM is refused with that reason; the others give the compiled step's tokens."""
+    monkeypatch.setenv(launcher.ENV, str(tmp_path / "cache"))
+    model = _model_dir(tiny_data, tmp_path / "m")
+    fp = load_for_inference(model, quantize=quantize, compile=True, aoti=True)
+    prompt = [5, 17, 3, 22, 9]
+    want = _greedy_through_the_step(fp, prompt, 20)
+    assert fp.compile_sources == {"aoti-saved": 1}
+    bundle = write_bundle(fp, model, "float32", quantize, 1, False, [])
+    manifest = launcher.read_manifest(launcher.launch_key(model, "float32", quantize, 1))
+    assert manifest is not None and Path(manifest["bundle"]) == bundle
+    files = Path(manifest["runner"]), Path(manifest["package"]), bundle
+    if (bundle / "w8a8.txt").read_text():
+        with pytest.raises(launcher.NativeError, match="defined by this process already"):
+            launcher.NativeRunner(*files, threads=1)
+        return
+    with launcher.NativeRunner(*files, threads=1) as runner:
+        got = runner.generate(prompt, 20, cache_len=launcher.cache_length(25, manifest["positions"]))
+        assert got == want and len(set(want)) > 5
+        stop = want[5]
+        assert runner.generate(prompt, 20, stop_ids=[stop]) == want[:want.index(stop) + 1]  # ends at it, included
+    tensors = bundle / "tensors.bin"
+    tensors.write_bytes(tensors.read_bytes()[:tensors.stat().st_size // 2])
+    with pytest.raises(launcher.NativeError, match="lies outside tensors.bin"):
+        launcher.NativeRunner(*files, threads=1)
+    (bundle / "tensors.txt").write_text("minigpt-native 1 2 2 8\nembedding float64 0 1 4 1\n")
+    with pytest.raises(launcher.NativeError, match="unknown dtype float64"):
+        launcher.NativeRunner(*files, threads=1)
+
+
+@pytest.mark.slow  # four CLI processes, one compiling a package, ~60 s
+@pytest.mark.parametrize("quantize", [[], ["--quantize", "int4"]])
+def test_the_second_compiled_call_runs_natively_without_torch_and_prints_the_same_text(tiny_data, tmp_path, quantize):
+    """int4: its int8 LM head goes through FBGEMM where the CPU has VNNI, packed by the runner."""
+    model = _model_dir(tiny_data, tmp_path / "m")
+    env = {"MINIGPT_COMPILE_CACHE": str(tmp_path / "cache")}
+    args = ["generate", model, "--prompt", "ROMEO:", "--temperature", "0", "--max-new-tokens", "24", "--compile",
+            "--threads", "1", "--stats", *quantize]
+    first = run_cli(*args, env=env)
+    assert first.returncode == 0, first.stderr
+    assert "aoti-saved" in first.stderr
+    ordinary = run_cli(*args, "--no-native", env=env)
+    second = subprocess.run([sys.executable, "-X", "importtime", "-m", "minigpt", *map(str, args)],
+                            capture_output=True, text=True, env={**CLI_ENV, **env}, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert "1 native" in second.stderr and "1 native" not in ordinary.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in second.stderr.splitlines() if "|" in line}
+    assert "minigpt.cli.quick" in imported and "torch" not in imported
+    assert second.stdout == first.stdout == ordinary.stdout
+    # A damaged bundle: one warning, and the ordinary command's output.
+    bundle = next((tmp_path / "cache" / "native").iterdir())
+    (bundle / "tensors.bin").write_bytes(b"")
+    third = run_cli(*args, env=env)
+    assert third.returncode == 0, third.stderr
+    assert "running without the native runner" in third.stderr and "aoti-loaded" in third.stderr
+    assert third.stdout == first.stdout
+    assert (bundle / "tensors.bin").stat().st_size > 0  # written again by that call
