@@ -25,6 +25,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -41,22 +43,33 @@ namespace {
 
 using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
 
-// FBGEMM's packed copies of the int8 matrices, by the address of the matrix the package passes to the op.
+// FBGEMM's packed copies of the int8 matrices, by the address of the matrix the package passes to the op: one per
+// block of rows (a large matrix, the LM head, is packed in blocks on several threads; see pack_w8a8).
 std::mutex packed_mutex;
-std::unordered_map<const void*, Packed> packed_weights;
+std::unordered_map<const void*, std::vector<Packed>> packed_weights;
+constexpr int64_t kSplitRows = 8192;  // matrices with at least this many rows are packed in blocks
+
+// Swallows c10 warnings: creating quantized tensors warns that they are deprecated, on every call.
+struct QuietWarnings : c10::WarningHandler {
+  void process(const c10::Warning&) override {}
+};
 std::unique_ptr<torch::Library> op_definition, op_implementation;
 
 // minigpt::w8a8_mm(x, weight): the rows of x (already divided by their scale) times the int8 matrix, through its
 // packed copy, as the Python implementation in minigpt/infer/fastpath/library.py computes it.
 at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& weight) {
-  Packed packed;
+  std::vector<Packed> blocks;
   {
     std::lock_guard<std::mutex> lock(packed_mutex);
     auto it = packed_weights.find(weight.data_ptr());
     TORCH_CHECK(it != packed_weights.end(), "minigpt::w8a8_mm: this int8 matrix has no packed copy");
-    packed = it->second;
+    blocks = it->second;
   }
-  return packed->apply_with_input_q_dq_qweight_dq_output_fp32(x, 1.0, 128);
+  if (blocks.size() == 1) return blocks[0]->apply_with_input_q_dq_qweight_dq_output_fp32(x, 1.0, 128);
+  // Every output is its own row's dot product: blocks of rows give the whole product's numbers.
+  std::vector<at::Tensor> parts;
+  for (const auto& b : blocks) parts.push_back(b->apply_with_input_q_dq_qweight_dq_output_fp32(x, 1.0, 128));
+  return at::cat(parts, -1);
 }
 
 // Define and implement the op unless this process has it already (a Python process that imported MiniGPT's
@@ -164,18 +177,34 @@ void load_bundle(Runner& r, const std::string& dir) {
   if (!index.eof()) throw std::runtime_error("tensors.txt: unreadable line after " + name);
 }
 
-// Pack the matrices w8a8.txt names for FBGEMM, `threads` at a time (one matrix packs on one core).
+// Pack the matrices w8a8.txt names for FBGEMM on `threads` threads. FBGEMM packs a matrix on one core at ~0.1-0.2
+// GB/s (measured: SmolLM-135M's 28 MB int8 LM head 0.31-0.34 s), so matrices of kSplitRows rows or more are packed
+// in one block of rows per thread.
 void pack_w8a8(Runner& r, const std::string& dir, int threads) {
   std::ifstream list(dir + "/w8a8.txt");
   if (!list) return;
-  std::vector<std::pair<at::Tensor, at::Tensor>> todo;
+  int n = std::max(1, threads > 0 ? threads : at::get_num_threads());
+  struct Item {
+    const void* key;
+    size_t block;
+    at::Tensor weight, scale;
+  };
+  std::vector<Item> todo;
+  std::unordered_map<const void*, size_t> n_blocks;
   std::string weight, scale;
   while (list >> weight >> scale) {
     auto w = r.constants.find(weight), s = r.constants.find(scale);
     if (w == r.constants.end() || s == r.constants.end() || w->second.scalar_type() != at::kChar ||
         w->second.dim() != 2 || s->second.dim() != 1 || s->second.size(0) != w->second.size(0))
       throw std::runtime_error("w8a8.txt: " + weight + " / " + scale + " is not an int8 matrix and its row scales");
-    todo.emplace_back(w->second, s->second);
+    const at::Tensor& wt = w->second;
+    int64_t rows = wt.size(0), blocks = rows >= kSplitRows ? n : 1, step = (rows + blocks - 1) / blocks;
+    size_t made = 0;
+    for (int64_t start = 0; start < rows; start += step, ++made) {
+      int64_t len = std::min(step, rows - start);
+      todo.push_back({wt.data_ptr(), made, wt.narrow(0, start, len), s->second.narrow(0, start, len)});
+    }
+    n_blocks[wt.data_ptr()] = made;
   }
   if (todo.empty()) return;
   register_w8a8_op();
@@ -186,28 +215,42 @@ void pack_w8a8(Runner& r, const std::string& dir, int threads) {
   at::globalContext().setQEngine(at::QEngine::FBGEMM);  // the packed type decides the kernel at every call
   std::vector<Packed> done(todo.size());
   std::vector<std::string> errors(todo.size());
-  auto work = [&](size_t first, size_t step) {
-    for (size_t i = first; i < todo.size(); i += step) {
+  // Largest first, so that the head's blocks do not end up behind a queue of small matrices.
+  std::vector<size_t> order(todo.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return todo[a].weight.numel() > todo[b].weight.numel();
+  });
+  std::atomic<size_t> next{0};
+  auto work = [&]() {
+    QuietWarnings quiet;
+    c10::WarningUtils::WarningHandlerGuard guard(&quiet);  // per thread: the handler is thread-local
+    for (size_t k = next++; k < order.size(); k = next++) {
+      size_t i = order[k];
       try {
-        const auto& [w, s] = todo[i];
-        auto q = at::_make_per_channel_quantized_tensor(w, s.to(at::kDouble), at::zeros({w.size(0)}, at::kLong), 0);
+        const auto& w = todo[i].weight;
+        auto q = at::_make_per_channel_quantized_tensor(w, todo[i].scale.to(at::kDouble),
+                                                       at::zeros({w.size(0)}, at::kLong), 0);
         done[i] = prepack.call(q, std::nullopt);
       } catch (const std::exception& e) {
         errors[i] = e.what();
       }
     }
   };
-  size_t n = std::max(1, std::min(threads > 0 ? threads : at::get_num_threads(), static_cast<int>(todo.size())));
   std::vector<std::thread> pool;
-  for (size_t t = 1; t < n; ++t) pool.emplace_back(work, t, n);
-  work(0, n);
+  for (int t = 1; t < std::min<int>(n, static_cast<int>(todo.size())); ++t) pool.emplace_back(work);
+  work();
   for (auto& t : pool) t.join();
   at::globalContext().setQEngine(engine);
   std::lock_guard<std::mutex> lock(packed_mutex);
   for (size_t i = 0; i < todo.size(); ++i) {
     if (!errors[i].empty()) throw std::runtime_error("packing an int8 matrix for FBGEMM failed: " + errors[i]);
-    packed_weights[todo[i].first.data_ptr()] = done[i];
-    r.packed.push_back(todo[i].first.data_ptr());
+    auto& blocks = packed_weights[todo[i].key];
+    if (blocks.empty()) {
+      blocks.resize(n_blocks[todo[i].key]);
+      r.packed.push_back(todo[i].key);
+    }
+    blocks[todo[i].block] = done[i];
   }
 }
 
