@@ -6,7 +6,6 @@ import json
 import sys
 from pathlib import Path
 
-from minigpt.cli import quick
 from minigpt.cli.common import add_command
 from minigpt.errors import MiniGPTError
 
@@ -31,8 +30,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     disables it), so later runs load it in milliseconds; a greedy (--temperature 0) one-prompt --compile call also
     leaves a bundle of the step's tensors there, and from the second such call on (prompts up to 64 tokens) runs
     in a native runner that never imports torch, the prompt fed through the one-token step (--no-native: neither
-    written nor used; int8 weights, whose step calls FBGEMM through Python, stay on the ordinary path); --quantize int8 / int4 quantizes the weights at load time (a directory written by
-    `minigpt quantize` is already quantized); --draft CKPT decodes speculatively with a small draft model sharing
+    written nor used); --quantize int8 / int4 quantizes the weights at load time (a directory written by `minigpt
+    quantize` is already quantized); --draft CKPT decodes speculatively with a small draft model sharing
     the tokenizer (--draft-k tokens per round; the output is distributed exactly as without it, and identical when
     greedy); --threads N sets torch's intra-op threads.
 
@@ -173,9 +172,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if sources:  # how the compiled steps came: loaded from the compile cache, compiled and saved, or in-process
             extra = f" | compiled steps: {', '.join(f'{n} {how}' for how, n in sorted(sources.items()))}" + extra
         print(line[:-1] + extra + "]", file=sys.stderr)
-    if quick.eligible(args) and len(prompts) == 1:  # after the output and its timing: a first call's extra cost
+    if native_eligible(args) and len(prompts) == 1:  # after the output and its timing: a first call's extra cost
         _write_native_bundle(model, ckpt, args, prompt_bos(ckpt, tokenizer), stop_ids)
     return 0
+
+
+def native_eligible(args: argparse.Namespace) -> bool:
+    """Whether a parsed ``generate`` call is one the native runner (:mod:`minigpt.cli.quick`) computes as the
+    ordinary command does: greedy (``--temperature 0``), compiled, one ``--prompt``, batch 1, the fast path on the
+    CPU, no chat template, draft, adapter, context cap or prompt truncation, and ``--no-native`` not given."""
+    return (getattr(args, "command", None) == "generate" and args.compile and not args.no_native
+            and args.temperature == 0 and args.prompt is not None and len(args.prompt) == 1
+            and args.chat is None and args.prompt_file is None and not args.batch and not args.jsonl
+            and args.draft is None and args.adapter is None and args.context is None and not args.truncate_prompt
+            and not args.no_fast and args.device in ("auto", "cpu") and args.compile_mode is None
+            and args.quantize in (None, "int8", "int4") and not args.no_special)
 
 
 def _write_native_bundle(model, ckpt: Path, args: argparse.Namespace, bos: bool, stop_ids) -> None:

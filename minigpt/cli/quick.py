@@ -1,9 +1,10 @@
 """`minigpt generate --compile` without importing torch: the native launcher's command-line side.
 
-:func:`run` takes the arguments of a ``minigpt generate`` call and, when the call is one the native runner computes
-(:func:`eligible`) and a bundle for it exists (written by an earlier ``--compile`` call of the same model, options
-and machine: :mod:`minigpt.infer.launcher`), generates there and returns the exit status; otherwise it returns
-None and the ordinary command runs. Output, stop handling and ``--stats`` are the ordinary command's.
+:func:`run` takes the arguments of a ``minigpt generate`` call and, when the call is one the native runner
+computes (:func:`~minigpt.cli.generate.native_eligible`) and a bundle for it exists (written by an earlier
+``--compile`` call of the same model, options and machine: :mod:`minigpt.infer.launcher`), generates there and
+returns the exit status; otherwise it returns None and the ordinary command runs. Output, stop handling and
+``--stats`` are the ordinary command's.
 """
 from __future__ import annotations
 
@@ -19,22 +20,11 @@ from typing import Optional
 PROMPT_TOKENS_MAX = 64
 
 
-def eligible(args: argparse.Namespace) -> bool:
-    """Whether a parsed ``generate`` call is one the native runner computes as the ordinary command does: greedy
-    (``--temperature 0``), compiled, one ``--prompt``, batch 1, the fast path on the CPU, no chat template, draft,
-    adapter, context cap or prompt truncation, and ``--no-native`` not given."""
-    return (getattr(args, "command", None) == "generate" and args.compile and not args.no_native
-            and args.temperature == 0 and args.prompt is not None and len(args.prompt) == 1
-            and args.chat is None and args.prompt_file is None and not args.batch and not args.jsonl
-            and args.draft is None and args.adapter is None and args.context is None and not args.truncate_prompt
-            and not args.no_fast and args.device in ("auto", "cpu") and args.compile_mode is None
-            and args.quantize in (None, "int8", "int4") and not args.no_special)
-
-
 def run(argv: list[str]) -> Optional[int]:
     """Run ``minigpt ARGV`` natively when it can be (see the module docstring); None when the ordinary command
     should run instead (nothing has been printed then)."""
     from minigpt.cli import generate
+    from minigpt.cli.generate import native_eligible
     from minigpt.infer.launcher import NativeError, NativeRunner, cache_length, launch_key, read_manifest
 
     if not argv or argv[0] != "generate":
@@ -46,7 +36,7 @@ def run(argv: list[str]) -> Optional[int]:
         args = parser.parse_args(argv)
     except SystemExit:  # a usage error: the ordinary command reports it
         return None
-    if not eligible(args) or (args.threads is not None and args.threads < 1) or args.max_new_tokens < 1:
+    if not native_eligible(args) or (args.threads is not None and args.threads < 1) or args.max_new_tokens < 1:
         return None
     t_load = time.perf_counter()
     source = Path(args.ckpt)
@@ -55,7 +45,8 @@ def run(argv: list[str]) -> Optional[int]:
     if manifest is None:
         return None
     from minigpt.infer.stops import StopChecker
-    from minigpt.tokenizer.tokenizer import Tokenizer, encode_prompt
+    from minigpt.tokenizer.prompt import encode_prompt
+    from minigpt.tokenizer.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(source, prefer_sentencepiece=True)  # as checkpoint.native.load_tokenizer
     ids = encode_prompt(tokenizer, args.prompt[0], bos=args.bos or manifest["bos"])

@@ -194,7 +194,8 @@ class NativeRunner:
         ids = (ctypes.c_int64 * len(prompt))(*prompt)
         stops = (ctypes.c_int64 * max(1, len(stop_ids)))(*stop_ids)
         err = ctypes.create_string_buffer(ERROR_BYTES)
-        n = self._lib.mg_generate(self._handle, ids, len(prompt), max_new_tokens, cache_len, stops, len(stop_ids), keep, err, ERROR_BYTES)
+        n = self._lib.mg_generate(self._handle, ids, len(prompt), max_new_tokens, cache_len, stops, len(stop_ids),
+                                  keep, err, ERROR_BYTES)
         if n < 0:
             raise NativeError(f"the native runner failed: {err.value.decode(errors='replace')}")
         return tokens

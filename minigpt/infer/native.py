@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from torch.utils.cpp_extension import include_paths, library_paths
 
 from minigpt.infer.fastpath.aoti import _PROJECTIONS, step_tensors
 from minigpt.infer.launcher import FORMAT, RUNNER_SOURCE, cache_dir, launch_key, runner_digest, trusted
@@ -32,8 +33,6 @@ def build_runner(directory: Path) -> Path:
     """The runner library (``native_runner.cpp`` against this torch's headers and libraries) in ``directory``,
     built when absent (a C++17 compiler: ``$CXX`` or ``c++``; ~15 s) and written atomically. Raises
     ``RuntimeError`` with the compiler's last lines when the build fails."""
-    from torch.utils.cpp_extension import include_paths, library_paths
-
     path = directory / f"runner-{runner_digest()}.so"
     if path.is_file() and trusted(path):
         return path

@@ -30,7 +30,8 @@ from minigpt.infer.sampling import InvalidRequest, SamplingParams, check_length
 from minigpt.infer.stops import default_stop_ids
 from minigpt.runtime import DTYPES, pick_device
 from minigpt.tokenizer.chat_template import ChatTemplate, TemplateRejected
-from minigpt.tokenizer.tokenizer import Tokenizer, encode_prompt  # noqa: F401  (re-exported)
+from minigpt.tokenizer.prompt import encode_prompt  # noqa: F401  (re-exported)
+from minigpt.tokenizer.tokenizer import Tokenizer
 
 # Lone surrogates: the bytes of an input line that are not UTF-8 (stdin decodes them with surrogateescape).
 _SURROGATES = re.compile("[\ud800-\udfff]")

@@ -14,7 +14,7 @@ from conftest import CLI_ENV, TINY_MODEL, random_model, run_cli
 
 from minigpt.checkpoint.native import save_pretrained
 from minigpt.cli import quick
-from minigpt.cli.generate import register
+from minigpt.cli.generate import native_eligible, register
 from minigpt.infer import launcher
 from minigpt.infer.fastpath import load_for_inference
 from minigpt.infer.native import write_bundle
@@ -68,8 +68,8 @@ def _parse(*argv) -> argparse.Namespace:
 ])
 def test_only_greedy_single_prompt_compiled_calls_go_native(extra, ok):
     args = _parse("--compile", "--temperature", "0", "--prompt", "a", *extra)
-    assert quick.eligible(args) is ok
-    assert not quick.eligible(_parse("--temperature", "0", "--prompt", "a"))  # not compiled
+    assert native_eligible(args) is ok
+    assert not native_eligible(_parse("--temperature", "0", "--prompt", "a"))  # not compiled
 
 
 def test_the_cache_length_is_the_compiled_steps():
