@@ -41,22 +41,24 @@ def test_quantize_int4_reports_tied_weights_once_and_generates_with_stats(tied_d
     assert line.startswith("[decode ")  # the headline rate: decode, compilation excluded
 
 
-@pytest.mark.slow  # three CLI processes each, one compiling a package: ~40-60 s (make test-slow, CI's second stage)
+@pytest.mark.slow  # four CLI processes each, one compiling a package: ~40-60 s (make test-slow, CI's second stage)
 @pytest.mark.parametrize("quantize", [[], ["--quantize", "int4"]], ids=["float32", "int4"])
 def test_generate_compile_saves_its_step_and_the_next_run_loads_it_and_prints_the_eager_text(tied_dir, tmp_path,
                                                                                                quantize):
     src, _ = tied_dir
     args = ("generate", src, "--prompt", "the cat", "--max-new-tokens", 24, "--temperature", 0, "--stats", *quantize)
     env = {"MINIGPT_COMPILE_CACHE": str(tmp_path / "compiled")}
-    eager, first, second = run_cli(*args, env=env), run_cli(*args, "--compile", env=env), run_cli(*args, "--compile",
-                                                                                                   env=env)
-    for proc in (eager, first, second):
+    eager, first = run_cli(*args, env=env), run_cli(*args, "--compile", env=env)
+    second, third = run_cli(*args, "--compile", "--no-native", env=env), run_cli(*args, "--compile", env=env)
+    for proc in (eager, first, second, third):
         assert proc.returncode == 0, proc.stderr
-    assert first.stdout == eager.stdout and second.stdout == eager.stdout
+    assert first.stdout == eager.stdout and second.stdout == eager.stdout and third.stdout == eager.stdout
     assert "compiled steps" not in eager.stderr
-    # On a CPU the CLI's compiled step is an AOTInductor package (minigpt.infer.fastpath.aoti).
+    # On a CPU the CLI's compiled step is an AOTInductor package (minigpt.infer.fastpath.aoti); a greedy call
+    # after the first runs it in the native runner (minigpt.cli.quick) unless --no-native.
     assert "compiled steps: 1 aoti-saved" in first.stderr.splitlines()[-1]
     assert "compiled steps: 1 aoti-loaded" in second.stderr.splitlines()[-1]
+    assert "compiled steps: 1 native" in third.stderr.splitlines()[-1]
     assert len(list((tmp_path / "compiled").glob("*.pt2"))) == 1
     assert not list((tmp_path / "compiled").glob("*.step"))
 
