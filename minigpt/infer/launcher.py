@@ -177,7 +177,8 @@ class NativeRunner:
     def generate(self, prompt: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
                  on_token: Optional[Callable[[int], bool]] = None, cache_len: Optional[int] = None) -> list[int]:
         """Greedy tokens after ``prompt`` (fed a token at a time through the step): at most ``max_new_tokens``,
-        ending at the first of ``stop_ids`` (included) or when ``on_token(token)`` (called for each) returns True.
+        ending at the first of ``stop_ids`` (included) or when ``on_token(token)`` (called for each) returns True;
+        an exception it raises ends the generation and is raised from here.
         ``cache_len``: the KV cache's columns (:func:`cache_length`; None: exactly prompt + new tokens). Raises
         :class:`NativeError` for an empty prompt, a cache too short, or a failure inside the runner."""
         cache_len = len(prompt) + max_new_tokens if cache_len is None else cache_len
@@ -185,10 +186,16 @@ class NativeRunner:
             raise NativeError("the native runner needs a prompt of at least one token, one new token, and a cache "
                               "that holds them")
         tokens: list[int] = []
+        raised: list[BaseException] = []
 
         def callback(token: int) -> int:
+            # ctypes would print an exception raised here and go on; it stops the generation and is raised below.
             tokens.append(token)
-            return 1 if on_token is not None and on_token(token) else 0
+            try:
+                return 1 if on_token is not None and on_token(token) else 0
+            except BaseException as e:  # noqa: BLE001 -- re-raised after the runner returns
+                raised.append(e)
+                return 1
 
         keep = _ON_TOKEN(callback)  # referenced until the call returns
         ids = (ctypes.c_int64 * len(prompt))(*prompt)
@@ -196,6 +203,8 @@ class NativeRunner:
         err = ctypes.create_string_buffer(ERROR_BYTES)
         n = self._lib.mg_generate(self._handle, ids, len(prompt), max_new_tokens, cache_len, stops, len(stop_ids),
                                   keep, err, ERROR_BYTES)
+        if raised:
+            raise raised[0]
         if n < 0:
             raise NativeError(f"the native runner failed: {err.value.decode(errors='replace')}")
         return tokens

@@ -121,6 +121,15 @@ def test_the_runner_gives_the_compiled_steps_tokens_and_refuses_a_truncated_bund
         assert got == want and len(set(want)) > 5
         stop = want[5]
         assert runner.generate(prompt, 20, stop_ids=[stop]) == want[:want.index(stop) + 1]  # ends at it, included
+        seen = []
+
+        def closed_pipe(token):  # what writing to a closed stdout raises
+            seen.append(token)
+            raise BrokenPipeError("the reader went away")
+
+        with pytest.raises(BrokenPipeError):
+            runner.generate(prompt, 20, on_token=closed_pipe)
+        assert seen == want[:1]  # the first token's error ended the generation
     tensors = bundle / "tensors.bin"
     tensors.write_bytes(tensors.read_bytes()[:tensors.stat().st_size // 2])
     with pytest.raises(launcher.NativeError, match="lies outside tensors.bin"):
