@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import torch
 from torch.utils.cpp_extension import include_paths, library_paths
 
-from minigpt.infer.fastpath.aoti import _PROJECTIONS, step_tensors
+from minigpt.infer.fastpath.aoti import step_projections, step_tensors
 from minigpt.infer.launcher import FORMAT, RUNNER_SOURCE, cache_dir, launch_key, runner_digest, trusted
 
 ALIGN = 64  # bytes: tensors.bin offsets (cache lines; AOTInductor's own constants are aligned so)
@@ -93,9 +93,7 @@ def write_bundle(fp, source: Path, dtype: str, quantize: Optional[str], threads:
                     offsets[at] = end
                     end += data.nbytes
                 lines.append(" ".join(map(str, [name, _DTYPES[t.dtype], offsets[at], t.dim(), *t.shape, *t.stride()])))
-        projections = {"head": fp.head} | {f"l{i}_{name}": getattr(lw, name) for i, lw in enumerate(fp.layers)
-                                           for name in _PROJECTIONS}
-        pairs = [(f"{k}_weight", f"{k}_scale") for k, p in projections.items() if p.w8a8 is not None]
+        pairs = [(f"{k}_weight", f"{k}_scale") for k, p in step_projections(fp).items() if p.w8a8 is not None]
         if any(w not in named or s not in named for w, s in pairs):
             return None
         (work / "w8a8.txt").write_text("".join(f"{w} {s}\n" for w, s in pairs))

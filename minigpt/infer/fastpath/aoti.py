@@ -44,16 +44,23 @@ _SLOTS = ("weight", "scale", "bias", "words", "word_scale")  # Proj's tensors (w
 _PROJECTIONS = ("wqkv", "wo", "w13", "w2")
 
 
+def step_projections(fp) -> dict:
+    """The projections of FastPath ``fp`` by the prefix of their tensors' names in :func:`step_tensors`: ``head``,
+    then ``l{i}_wqkv``, ``l{i}_wo``, ``l{i}_w13``, ``l{i}_w2`` per layer."""
+    projections = {"head": fp.head}
+    for i, lw in enumerate(fp.layers):
+        projections.update({f"l{i}_{name}": getattr(lw, name) for name in _PROJECTIONS})
+    return projections
+
+
 def step_tensors(fp) -> dict[str, torch.Tensor]:
     """Every tensor the compiled step of FastPath ``fp`` reads, by a stable name (``embedding``, ``cos``,
     ``head_weight``, ``l0_attn_norm``, ``l0_wqkv_words``, ...): the package's constants. A projection's ``weight``
     is left out when its ``words`` replace it (the step reads one or the other, see ``step._proj_args``)."""
     named = {"embedding": fp.embedding, "final_norm": fp.final_norm, "cos": fp.cos, "sin_signed": fp.sin_signed}
-    projections = {"head": fp.head}
     for i, lw in enumerate(fp.layers):
         named[f"l{i}_attn_norm"], named[f"l{i}_ffn_norm"] = lw.attn_norm, lw.ffn_norm
-        projections.update({f"l{i}_{name}": getattr(lw, name) for name in _PROJECTIONS})
-    for prefix, p in projections.items():
+    for prefix, p in step_projections(fp).items():
         for slot in _SLOTS:
             t = getattr(p, slot)
             if t is not None and not (slot == "weight" and p.words is not None):
