@@ -6,7 +6,7 @@ int4 tokens 1.4-1.8 s (docs/benchmarks.md). Loading ``libtorch_cpu.so`` itself t
 ``import torch`` is torch's Python modules, which the compiled step does not need: an AOTInductor package
 (:mod:`minigpt.infer.fastpath.aoti`) is one C++ function over tensors.
 
-How: a ``--compile`` run that loaded a step package also writes a *bundle* (:mod:`minigpt.infer.fastpath.native`):
+How: a ``--compile`` run that loaded a step package also writes a *bundle* (:mod:`minigpt.infer.native`):
 every tensor the package reads, in one file memory-mapped by the runner (``tensors.bin`` + ``tensors.txt``), and
 ``manifest.json`` (the package, the runner library, the prompt's BOS rule, the stop ids). Its directory is named
 by :func:`launch_key`, computed here without torch from the model directory's files (path, sizes, modification
@@ -104,6 +104,73 @@ def runner_digest() -> str:
     return h.hexdigest()[:40]
 
 
+def build_runner(directory: Path) -> Path:
+    """The runner library (``native_runner.cpp`` against this torch's headers and libraries) in ``directory``,
+    built when absent (a C++17 compiler: ``$CXX`` or ``c++``; ~15 s) and written atomically. Raises
+    ``RuntimeError`` with the compiler's last lines when the build fails. (Imports torch: only a process that
+    has it calls this.)"""
+    path = directory / f"runner-{runner_digest()}.so"
+    if path.is_file() and trusted(path):
+        return path
+    import subprocess
+    import tempfile
+
+    import torch
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(prefix=".partial-", suffix=".so", dir=directory)
+    os.close(fd)
+    lib = library_paths()[0]
+    cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC", "-w",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+           *(f"-I{p}" for p in include_paths()), str(RUNNER_SOURCE), "-o", tmp, f"-L{lib}", "-ltorch_cpu", "-lc10",
+           f"-Wl,-rpath,{lib}"]
+    try:
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:  # no compiler at all
+            raise RuntimeError(f"building the native runner failed ({cmd[0]}): {e}") from None
+        if done.returncode != 0:
+            tail = " ".join(done.stderr.strip().splitlines()[-3:])
+            raise RuntimeError(f"building the native runner failed ({cmd[0]}): {tail[:400]}")
+        os.chmod(tmp, 0o700)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def install_w8a8_kernel(library: Path) -> None:
+    """Make the runner library's C++ function the CPU kernel of ``minigpt::w8a8_mm`` (FBGEMM's int8 x int8
+    product, :mod:`minigpt.infer.fastpath.library`) in this Python process, with its ``w8a8_adopt`` /
+    ``w8a8_forget`` ops for the packed copies. Raises :class:`NativeError` when the library cannot be loaded or
+    the op already has another CPU kernel here."""
+    lib = _library(library)
+    lib.mg_w8a8_install.restype = ctypes.c_int
+    lib.mg_w8a8_install.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    err = ctypes.create_string_buffer(ERROR_BYTES)
+    if lib.mg_w8a8_install(err, ERROR_BYTES) != 0:
+        raise NativeError(err.value.decode(errors="replace"))
+
+
+_LOADED: dict[str, ctypes.CDLL] = {}
+
+
+def _library(library: Path) -> ctypes.CDLL:
+    """The runner library, loaded once per process by file name (its source and torch digest): two caches' copies
+    of one build would otherwise be two libraries, each with its own table of packed matrices, and only the first
+    one's kernel registered for the op."""
+    name = Path(library).name
+    if name not in _LOADED:
+        try:
+            _LOADED[name] = ctypes.CDLL(str(library))
+        except OSError as e:
+            raise NativeError(f"cannot load the native runner {library}: {e}") from None
+    return _LOADED[name]
+
+
 def launch_key(source: Path, dtype: str, quantize: Optional[str], threads: Optional[int]) -> Optional[str]:
     """The bundle name (hex) of ``minigpt generate SOURCE --compile --dtype DTYPE [--quantize Q] [--threads N]``:
     the model directory (resolved path; name, size and modification time of each file in it), the options, the
@@ -157,10 +224,7 @@ class NativeRunner:
     structure)."""
 
     def __init__(self, library: Path, package: Path, bundle: Path, threads: int = 0) -> None:
-        try:
-            lib = ctypes.CDLL(str(library))
-        except OSError as e:
-            raise NativeError(f"cannot load the native runner {library}: {e}") from None
+        lib = _library(library)
         lib.mg_open.restype = ctypes.c_void_p
         lib.mg_open.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
         lib.mg_generate.restype = ctypes.c_long

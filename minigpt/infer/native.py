@@ -13,48 +13,18 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-from torch.utils.cpp_extension import include_paths, library_paths
 
 from minigpt.infer.fastpath.aoti import step_projections, step_tensors
-from minigpt.infer.launcher import FORMAT, RUNNER_SOURCE, cache_dir, launch_key, runner_digest, trusted
+from minigpt.infer.launcher import FORMAT, build_runner, cache_dir, launch_key
 
 ALIGN = 64  # bytes: tensors.bin offsets (cache lines; AOTInductor's own constants are aligned so)
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int8: "int8",
            torch.uint8: "uint8", torch.int32: "int32", torch.int64: "int64"}
-
-
-def build_runner(directory: Path) -> Path:
-    """The runner library (``native_runner.cpp`` against this torch's headers and libraries) in ``directory``,
-    built when absent (a C++17 compiler: ``$CXX`` or ``c++``; ~15 s) and written atomically. Raises
-    ``RuntimeError`` with the compiler's last lines when the build fails."""
-    path = directory / f"runner-{runner_digest()}.so"
-    if path.is_file() and trusted(path):
-        return path
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(prefix=".partial-", suffix=".so", dir=directory)
-    os.close(fd)
-    lib = library_paths()[0]
-    cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC", "-w",
-           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-           *(f"-I{p}" for p in include_paths()), str(RUNNER_SOURCE), "-o", tmp, f"-L{lib}", "-ltorch_cpu", "-lc10",
-           f"-Wl,-rpath,{lib}"]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            tail = " ".join(done.stderr.strip().splitlines()[-3:])
-            raise RuntimeError(f"building the native runner failed ({cmd[0]}): {tail[:400]}")
-        os.chmod(tmp, 0o700)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
 
 
 def write_bundle(fp, source: Path, dtype: str, quantize: Optional[str], threads: Optional[int], bos: bool,

@@ -1,13 +1,16 @@
 // The native runner of MiniGPT's compiled decode step: a saved AOTInductor package (minigpt/infer/fastpath/aoti.py)
-// and the tensors it reads (a bundle written by minigpt/infer/fastpath/native.py), run through libtorch with no
-// Python interpreter between tokens and, above all, without `import torch` in the process that calls it: the
-// torch-free launcher (minigpt/cli/quick.py) loads this library with ctypes. Greedy decoding only.
+// and the tensors it reads (a bundle written by minigpt/infer/native.py), run through libtorch with no Python
+// interpreter between tokens and, above all, without `import torch` in the process that calls it: the torch-free
+// launcher (minigpt/cli/quick.py) loads this library with ctypes. Greedy decoding only. The same library gives a
+// Python process the C++ kernel of the int8 product op its compiled steps call (minigpt::w8a8_mm, see
+// register_w8a8_op and minigpt/infer/fastpath/library.py).
 //
 // The C interface (every function catches every C++ exception and reports it through `err`):
 //   mg_open(package, bundle_dir, threads, err, errlen) -> handle or NULL
 //   mg_generate(handle, prompt, n_prompt, max_new, cache_len, stop_ids, n_stop, on_token, err, errlen)
 //       -> the number of tokens generated, or -1; on_token(token) is called for each, a non-zero return stops.
 //   mg_close(handle)
+//   mg_w8a8_install(err, errlen) -> 0 or -1: in a Python process, the C++ kernel of the int8 product op
 //
 // The bundle: `tensors.bin` (every tensor's bytes, 64-byte aligned, memory-mapped read-only: no copy),
 // `tensors.txt` (a header line `minigpt-native 1 n_layers n_kv_heads head_dim`, then one line per tensor:
@@ -44,15 +47,21 @@ namespace {
 using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
 
 // FBGEMM's packed copies of the int8 matrices, by the address of the matrix the package passes to the op: one per
-// block of rows (a large matrix, the LM head, is packed in blocks on several threads; see pack_w8a8).
+// block of rows (a large matrix, the LM head, is packed in blocks on several threads; see pack_w8a8), and the shape
+// they were packed from, checked at every call (an address reused by another matrix must not find a stale copy).
+struct PackedMatrix {
+  std::vector<Packed> blocks;
+  int64_t rows = 0, cols = 0;
+};
 std::mutex packed_mutex;
-std::unordered_map<const void*, std::vector<Packed>> packed_weights;
+std::unordered_map<const void*, PackedMatrix> packed_weights;
 constexpr int64_t kSplitRows = 8192;  // matrices with at least this many rows are packed in blocks
 
 // Swallows c10 warnings: creating quantized tensors warns that they are deprecated, on every call.
 struct QuietWarnings : c10::WarningHandler {
   void process(const c10::Warning&) override {}
 };
+std::mutex op_mutex;
 std::unique_ptr<torch::Library> op_definition, op_implementation;
 
 // minigpt::w8a8_mm(x, weight): the rows of x (already divided by their scale) times the int8 matrix, through its
@@ -63,7 +72,9 @@ at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& weight) {
     std::lock_guard<std::mutex> lock(packed_mutex);
     auto it = packed_weights.find(weight.data_ptr());
     TORCH_CHECK(it != packed_weights.end(), "minigpt::w8a8_mm: this int8 matrix has no packed copy");
-    blocks = it->second;
+    TORCH_CHECK(weight.dim() == 2 && it->second.rows == weight.size(0) && it->second.cols == weight.size(1),
+                "minigpt::w8a8_mm: the packed copy at this address is of another matrix");
+    blocks = it->second.blocks;
   }
   if (blocks.size() == 1) return blocks[0]->apply_with_input_q_dq_qweight_dq_output_fp32(x, 1.0, 128);
   // Every output is its own row's dot product: blocks of rows give the whole product's numbers.
@@ -72,20 +83,44 @@ at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& weight) {
   return at::cat(parts, -1);
 }
 
-// Define and implement the op unless this process has it already (a Python process that imported MiniGPT's
-// fast path defines it; its implementation would not know this runner's packed copies, so there it is refused).
+// minigpt::w8a8_adopt(address, rows, cols, packed) / w8a8_forget(address): a Python process hands over the copies
+// it packed itself (minigpt/infer/fastpath/library.py, which also needs them for its eager products) and withdraws
+// one when its matrix is freed.
+void w8a8_adopt(int64_t address, int64_t rows, int64_t cols, const Packed& packed) {
+  std::lock_guard<std::mutex> lock(packed_mutex);
+  packed_weights[reinterpret_cast<const void*>(address)] = PackedMatrix{{packed}, rows, cols};
+}
+
+void w8a8_forget(int64_t address) {
+  std::lock_guard<std::mutex> lock(packed_mutex);
+  packed_weights.erase(reinterpret_cast<const void*>(address));
+}
+
+// Define the op unless this process has (a Python process that imported MiniGPT's fast path defines it, with its
+// shape function for tracing) and give it this C++ kernel; refused where the op has a CPU kernel already (the
+// Python one, which would not know this library's packed copies). Every call through the op from an AOTInductor
+// package goes through this kernel then: with the Python one each of a step's ~120 int8 products called back into
+// the interpreter (int8 decode 58-65 against 88-98 tokens/s at 135M, docs/benchmarks.md).
 void register_w8a8_op() {
-  auto& dispatcher = c10::Dispatcher::singleton();
+  std::lock_guard<std::mutex> guard(op_mutex);
   if (op_implementation) return;
-  if (dispatcher.findSchema({"minigpt::w8a8_mm", ""}).has_value())
-    throw std::runtime_error("minigpt::w8a8_mm is defined by this process already (run the native runner in a "
-                             "process that has not imported MiniGPT's fast path)");
-  op_definition = std::make_unique<torch::Library>(torch::Library::FRAGMENT, "minigpt", std::nullopt, __FILE__,
-                                                   __LINE__);
-  op_definition->def("w8a8_mm(Tensor x, Tensor weight) -> Tensor");
-  op_implementation = std::make_unique<torch::Library>(torch::Library::IMPL, "minigpt", c10::DispatchKey::CPU,
-                                                       __FILE__, __LINE__);
-  op_implementation->impl("w8a8_mm", TORCH_FN(w8a8_mm));
+  auto& dispatcher = c10::Dispatcher::singleton();
+  auto op = dispatcher.findSchema({"minigpt::w8a8_mm", ""});
+  if (op.has_value() && op->hasKernelForDispatchKey(c10::DispatchKey::CPU))
+    throw std::runtime_error("minigpt::w8a8_mm already has another CPU kernel in this process (MiniGPT's Python "
+                             "one); run the native runner in a process that has not used it");
+  auto definition = std::make_unique<torch::Library>(torch::Library::FRAGMENT, "minigpt", std::nullopt, __FILE__,
+                                                     __LINE__);
+  if (!op.has_value()) definition->def("w8a8_mm(Tensor x, Tensor weight) -> Tensor");
+  definition->def("w8a8_adopt(int address, int rows, int cols, "
+                  "__torch__.torch.classes.quantized.LinearPackedParamsBase packed) -> ()",
+                  TORCH_FN(w8a8_adopt));
+  definition->def("w8a8_forget(int address) -> ()", TORCH_FN(w8a8_forget));
+  auto implementation = std::make_unique<torch::Library>(torch::Library::IMPL, "minigpt", c10::DispatchKey::CPU,
+                                                         __FILE__, __LINE__);
+  implementation->impl("w8a8_mm", TORCH_FN(w8a8_mm));
+  op_definition = std::move(definition);
+  op_implementation = std::move(implementation);
 }
 
 struct Runner {
@@ -187,6 +222,7 @@ void pack_w8a8(Runner& r, const std::string& dir, int threads) {
   struct Item {
     const void* key;
     size_t block;
+    int64_t rows;  // of the whole matrix
     at::Tensor weight, scale;
   };
   std::vector<Item> todo;
@@ -202,7 +238,7 @@ void pack_w8a8(Runner& r, const std::string& dir, int threads) {
     size_t made = 0;
     for (int64_t start = 0; start < rows; start += step, ++made) {
       int64_t len = std::min(step, rows - start);
-      todo.push_back({wt.data_ptr(), made, wt.narrow(0, start, len), s->second.narrow(0, start, len)});
+      todo.push_back({wt.data_ptr(), made, rows, wt.narrow(0, start, len), s->second.narrow(0, start, len)});
     }
     n_blocks[wt.data_ptr()] = made;
   }
@@ -245,12 +281,14 @@ void pack_w8a8(Runner& r, const std::string& dir, int threads) {
   std::lock_guard<std::mutex> lock(packed_mutex);
   for (size_t i = 0; i < todo.size(); ++i) {
     if (!errors[i].empty()) throw std::runtime_error("packing an int8 matrix for FBGEMM failed: " + errors[i]);
-    auto& blocks = packed_weights[todo[i].key];
-    if (blocks.empty()) {
-      blocks.resize(n_blocks[todo[i].key]);
+    auto& matrix = packed_weights[todo[i].key];
+    if (matrix.blocks.empty()) {
+      matrix.blocks.resize(n_blocks[todo[i].key]);
+      matrix.rows = todo[i].rows;
+      matrix.cols = todo[i].weight.size(1);
       r.packed.push_back(todo[i].key);
     }
-    blocks[todo[i].block] = done[i];
+    matrix.blocks[todo[i].block] = done[i];
   }
 }
 
@@ -324,5 +362,17 @@ long mg_generate(void* handle, const int64_t* prompt, long n_prompt, long max_ne
 }
 
 void mg_close(void* handle) { delete static_cast<Runner*>(handle); }
+
+// In a Python process: make this library's kernel the CPU kernel of minigpt::w8a8_mm (see register_w8a8_op).
+// Returns 0, or -1 with the reason in `err`.
+int mg_w8a8_install(char* err, int errlen) {
+  try {
+    register_w8a8_op();
+    return 0;
+  } catch (const std::exception& e) {
+    set_error(e.what(), err, errlen);
+    return -1;
+  }
+}
 
 }  // extern "C"

@@ -5,11 +5,16 @@ every int8 projection (eager and compiled) by default and by none under ``woq_ke
 and stories260K's greedy text equal to fp32's."""
 import copy
 import gc
+import os
+import shutil
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_model
+from conftest import CLI_ENV, random_model
 
 from minigpt.infer.fastpath import Proj, library, prepare
 from minigpt.infer.fastpath.kernels import _row_blocks, decode_linear
@@ -18,6 +23,7 @@ from minigpt.infer.generate import generate_batch, generate_tokens
 from minigpt.infer.sampling import SamplingParams
 from minigpt.model.quant import dequantize_weight, quantize_weight
 
+ROOT = Path(__file__).resolve().parents[2]
 torch.set_num_threads(1)
 
 pytestmark = pytest.mark.skipif(not w8a8_available(),
@@ -68,6 +74,7 @@ def test_each_row_is_quantized_on_its_own():
 
 
 def test_a_matrix_without_a_packed_copy_is_refused_and_freed_ones_are_forgotten():
+    library.w8a8_kernel()  # the op has a CPU kernel from the first compiled step on (or this call)
     p, _ = _head()
     with pytest.raises(RuntimeError, match="no packed copy"):
         torch.ops.minigpt.w8a8_mm(torch.randn(1, 96), p.weight.clone())
@@ -76,6 +83,58 @@ def test_a_matrix_without_a_packed_copy_is_refused_and_freed_ones_are_forgotten(
     del p
     gc.collect()
     assert key not in library._PACKED  # its memory may hold another matrix next
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler for the runner library")
+def test_the_ops_kernel_is_the_runner_librarys_and_computes_what_the_python_one_does():
+    """Compiled steps call `minigpt::w8a8_mm` ~120 times a token at 135M; its kernel is the C++ one of the runner
+    library wherever that builds (a Python kernel made int8 decode ~1.4x slower). Same FBGEMM call on the same
+    packed copy: the same bits as the Python kernel. A copy whose recorded shape is not the matrix's (memory
+    reused by another matrix) and one withdrawn by the finalizer's function are refused, not used."""
+    assert library.w8a8_kernel() == "c++"
+    assert "native_runner.cpp" in torch._C._dispatch_dump("minigpt::w8a8_mm").split("CPU:")[1].splitlines()[0]
+    p, _ = _head()
+    for rows in (1, 5):
+        x = torch.randn(rows, 96) * 20
+        assert torch.equal(torch.ops.minigpt.w8a8_mm(x, p.weight), library._w8a8_mm(x, p.weight))
+    key = library._packed_key(p.weight)
+    torch.ops.minigpt.w8a8_adopt(key[0], 49, 96, p.w8a8)
+    with pytest.raises(RuntimeError, match="of another matrix"):
+        torch.ops.minigpt.w8a8_mm(torch.randn(1, 96), p.weight)
+    library._forget(key)
+    with pytest.raises(RuntimeError, match="no packed copy"):
+        torch.ops.minigpt.w8a8_mm(torch.randn(1, 96), p.weight)
+
+
+FALLBACK = """
+import sys, warnings
+from pathlib import Path
+import torch
+from minigpt.infer.fastpath import library
+from minigpt.infer.launcher import NativeError, build_runner, install_w8a8_kernel
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    print(library.w8a8_kernel(), "|", "; ".join(str(w.message) for w in seen))
+try:
+    install_w8a8_kernel(build_runner(Path(sys.argv[1])))
+except NativeError as e:
+    print("refused |", e)
+"""
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler for the runner library")
+def test_without_the_runner_library_the_python_kernel_runs_and_a_runner_is_refused():
+    """With the compile cache off (where the library would be built) the op gets the Python kernel, with a
+    warning saying so and why; a runner library loaded afterwards must not take over (its kernel would not know
+    the packed copies made here), so installing it is refused with that reason. (The library comes from the
+    test session's compile cache.)"""
+    cache = os.environ["MINIGPT_COMPILE_CACHE"]
+    env = {**CLI_ENV, "MINIGPT_COMPILE_CACHE": "off"}
+    out = subprocess.run([sys.executable, "-c", FALLBACK, cache], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    chosen, refused = out.stdout.strip().splitlines()
+    assert chosen.startswith("python |") and "slower" in chosen and "compile cache is off" in chosen
+    assert refused.startswith("refused |") and "another CPU kernel" in refused
 
 
 def test_float_weights_are_refused():

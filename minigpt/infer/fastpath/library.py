@@ -1,13 +1,15 @@
 """int8 and int4 products through library kernels, for decode steps (eager and compiled) of few rows: ATen's
 weight-only kernels on bf16 activations (:func:`aten_woq_layout` / :func:`aten_woq_linear`) and FBGEMM's int8 x int8
 product on activations rounded to 8 bits per row (:func:`w8a8_layout` / :func:`w8a8_linear`, reached from a
-compiled step through the ``minigpt::w8a8_mm`` op). Which of them a model uses: :data:`WOQ_KERNELS`.
+compiled step through the ``minigpt::w8a8_mm`` op, whose CPU kernel is C++ where the native runner library builds:
+:func:`w8a8_kernel`). Which of them a model uses: :data:`WOQ_KERNELS`.
 
 The projections are :class:`~minigpt.infer.fastpath.kernels.Proj` objects (read here by their fields only).
 """
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -118,6 +120,8 @@ def w8a8_available() -> bool:
 # FBGEMM's prepacked weights, keyed by their int8 matrix's (address, shape): the compiled step passes the matrix to
 # the `minigpt::w8a8_mm` op, which finds its packed copy here (Inductor cannot trace the packed object itself).
 _PACKED: dict[tuple[int, tuple[int, ...]], Any] = {}
+_KERNEL: list[str] = []  # the op's CPU kernel once w8a8_kernel has registered it: ["c++"] or ["python"]
+_KERNEL_LOCK = threading.RLock()  # held while either changes (re-entrant: a finalizer may run inside)
 
 
 def _packed_key(weight: torch.Tensor) -> tuple[int, tuple[int, ...]]:
@@ -161,11 +165,15 @@ def w8a8_layouts(projections: list[Proj]) -> list[bool]:
         return [False] * len(projections)
     finally:
         torch.backends.quantized.engine = engine
-    for p, pk in zip(todo, packed):
-        key = _packed_key(p.weight)
-        _PACKED[key] = pk
-        weakref.finalize(p.weight, _PACKED.pop, key, None)  # freed memory may be reused by another matrix
-        p.w8a8 = pk
+    with _KERNEL_LOCK:
+        for p, pk in zip(todo, packed):
+            key = _packed_key(p.weight)
+            _PACKED[key] = pk
+            if _KERNEL == ["c++"]:
+                torch.ops.minigpt.w8a8_adopt(key[0], *key[1], pk)
+            # freed memory may be reused by another matrix; at exit nothing is reused (and the ops may be gone)
+            weakref.finalize(p.weight, _forget, key).atexit = False
+            p.w8a8 = pk
     done = {id(p) for p in todo}
     return [id(p) in done for p in projections]
 
@@ -194,8 +202,9 @@ def w8a8_linear(p: Proj, x: torch.Tensor) -> torch.Tensor:
 
 
 # `minigpt::w8a8_mm(x, weight)`: FBGEMM's product of the rows of ``x`` (already divided by their scale, so that
-# rounding to integers is the 8-bit quantization) with the prepacked ``weight``. Registered through the low-level
-# Library API: a `torch.library.custom_op` costs ~10 us more a call, 120 calls a token at 135M.
+# rounding to integers is the 8-bit quantization) with the prepacked ``weight``. Defined here (with its shape
+# function, for tracing); its CPU kernel is chosen at the first compiled step that needs it (w8a8_kernel).
+# Registered through the low-level Library API: a `torch.library.custom_op` costs ~10 us more a call.
 _LIB = torch.library.Library("minigpt", "FRAGMENT")
 _LIB.define("w8a8_mm(Tensor x, Tensor weight) -> Tensor")
 _W8A8_MM = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
@@ -208,7 +217,44 @@ def _w8a8_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _W8A8_MM(x, 1.0, 128, packed)
 
 
-_LIB.impl("w8a8_mm", _w8a8_mm, "CPU")
+def _forget(key: tuple[int, tuple[int, ...]]) -> None:
+    with _KERNEL_LOCK:
+        _PACKED.pop(key, None)
+        if _KERNEL == ["c++"]:
+            torch.ops.minigpt.w8a8_forget(key[0])
+
+
+def w8a8_kernel() -> str:
+    """Register the CPU kernel of ``minigpt::w8a8_mm`` for this process (once) and return which it is: ``"c++"``,
+    the native runner library's (``minigpt/infer/native_runner.cpp``, built into the compile cache once per
+    machine and torch version, ~15 s; the packed copies made here are handed to it), else ``"python"``
+    (:func:`_w8a8_mm`), with a warning saying why (the compile cache is off, no C++ compiler, the build failed).
+
+    Why C++: a compiled step (an AOTInductor package or ``torch.compile``'s code) calls the op ~120 times a token at
+    135M, and a Python kernel makes each call a round trip into the interpreter: int8 decode 58-65 against 88-98
+    tokens/s with the C++ kernel, same tokens (2-core Xeon model 207, docs/benchmarks.md). Both kernels call the
+    same FBGEMM function on the same packed copies, so the numbers are identical."""
+    with _KERNEL_LOCK:
+        if _KERNEL:
+            return _KERNEL[0]
+        # the launcher imports no torch and nothing of MiniGPT's model: no cycle
+        from minigpt.infer.launcher import NativeError, build_runner, cache_dir, install_w8a8_kernel
+
+        try:
+            directory = cache_dir()
+            if directory is None:
+                raise RuntimeError("the compile cache is off ($MINIGPT_COMPILE_CACHE), where its library is built")
+            install_w8a8_kernel(build_runner(directory))
+            for key, packed in list(_PACKED.items()):
+                torch.ops.minigpt.w8a8_adopt(key[0], *key[1], packed)
+            _KERNEL.append("c++")
+        except (OSError, RuntimeError, NativeError) as e:  # NativeError is a RuntimeError; named for the reader
+            if not torch._C._dispatch_has_kernel_for_dispatch_key("minigpt::w8a8_mm", "CPU"):
+                _LIB.impl("w8a8_mm", _w8a8_mm, "CPU")
+            warnings.warn(f"int8 products of compiled steps run through MiniGPT's Python kernel, slower (int8 decode "
+                          f"~1.4x at 135M): {e}", RuntimeWarning, stacklevel=2)
+            _KERNEL.append("python")
+        return _KERNEL[0]
 
 
 @torch.library.register_fake("minigpt::w8a8_mm")

@@ -25,7 +25,7 @@ from minigpt.infer.fastpath.kernels import (
     int8_words,
     module_proj,
 )
-from minigpt.infer.fastpath.library import aten_woq_layout, aten_woq_wanted, w8a8_layouts, w8a8_wanted
+from minigpt.infer.fastpath.library import aten_woq_layout, aten_woq_wanted, w8a8_kernel, w8a8_layouts, w8a8_wanted
 from minigpt.infer.fastpath.step import Geometry
 from minigpt.infer.kv_cache import LayerKVCache
 from minigpt.infer.launcher import CACHE_BUCKET
@@ -365,6 +365,8 @@ class FastPath(nn.Module):
         args = (tokens, input_pos, pad, kv_cache.k, kv_cache.v)
         step = self._steps.get(key)
         if step is None:  # a saved ahead-of-time step per shape, else one torch.compile'd function for all
+            if self.geometry.w8a8 or self.geometry.head_w8a8:
+                w8a8_kernel()  # before the step's first call: the op's CPU kernel is chosen once per process
             if self._step_fn is not None:  # the cache is off or ahead-of-time compiling failed: not tried again
                 step, source = self._step_fn, "jit"
             else:
