@@ -104,44 +104,6 @@ def runner_digest() -> str:
     return h.hexdigest()[:40]
 
 
-def build_runner(directory: Path) -> Path:
-    """The runner library (``native_runner.cpp`` against this torch's headers and libraries) in ``directory``,
-    built when absent (a C++17 compiler: ``$CXX`` or ``c++``; ~15 s) and written atomically. Raises
-    ``RuntimeError`` with the compiler's last lines when the build fails. (Imports torch: only a process that
-    has it calls this.)"""
-    path = directory / f"runner-{runner_digest()}.so"
-    if path.is_file() and trusted(path):
-        return path
-    import subprocess
-    import tempfile
-
-    import torch
-    from torch.utils.cpp_extension import include_paths, library_paths
-
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(prefix=".partial-", suffix=".so", dir=directory)
-    os.close(fd)
-    lib = library_paths()[0]
-    cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC", "-w",
-           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-           *(f"-I{p}" for p in include_paths()), str(RUNNER_SOURCE), "-o", tmp, f"-L{lib}", "-ltorch_cpu", "-lc10",
-           f"-Wl,-rpath,{lib}"]
-    try:
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True)
-        except OSError as e:  # no compiler at all
-            raise RuntimeError(f"building the native runner failed ({cmd[0]}): {e}") from None
-        if done.returncode != 0:
-            tail = " ".join(done.stderr.strip().splitlines()[-3:])
-            raise RuntimeError(f"building the native runner failed ({cmd[0]}): {tail[:400]}")
-        os.chmod(tmp, 0o700)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
-
-
 def install_w8a8_kernel(library: Path) -> None:
     """Make the runner library's C++ function the CPU kernel of ``minigpt::w8a8_mm`` (FBGEMM's int8 x int8
     product, :mod:`minigpt.infer.fastpath.library`) in this Python process, with its ``w8a8_adopt`` /

@@ -20,7 +20,8 @@ from typing import Optional, Sequence
 import torch
 
 from minigpt.infer.fastpath.aoti import step_projections, step_tensors
-from minigpt.infer.launcher import FORMAT, build_runner, cache_dir, launch_key
+from minigpt.infer.fastpath.library import build_runner
+from minigpt.infer.launcher import FORMAT, cache_dir, launch_key
 
 ALIGN = 64  # bytes: tensors.bin offsets (cache lines; AOTInductor's own constants are aligned so)
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int8: "int8",

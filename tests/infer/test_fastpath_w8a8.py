@@ -111,7 +111,8 @@ import sys, warnings
 from pathlib import Path
 import torch
 from minigpt.infer.fastpath import library
-from minigpt.infer.launcher import NativeError, build_runner, install_w8a8_kernel
+from minigpt.infer.fastpath.library import build_runner
+from minigpt.infer.launcher import NativeError, install_w8a8_kernel
 with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")
     print(library.w8a8_kernel(), "|", "; ".join(str(w.message) for w in seen))

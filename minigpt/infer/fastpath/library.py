@@ -9,14 +9,19 @@ The projections are :class:`~minigpt.infer.fastpath.kernels.Proj` objects (read 
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import tempfile
 import threading
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from minigpt.infer.launcher import RUNNER_SOURCE, NativeError, cache_dir, install_w8a8_kernel, runner_digest, trusted
 from minigpt.runtime import cpu_flags
 
 # The projections: kernels.Proj, which imports this module (so typed loosely here).
@@ -202,9 +207,10 @@ def w8a8_linear(p: Proj, x: torch.Tensor) -> torch.Tensor:
 
 
 # `minigpt::w8a8_mm(x, weight)`: FBGEMM's product of the rows of ``x`` (already divided by their scale, so that
-# rounding to integers is the 8-bit quantization) with the prepacked ``weight``. Defined here (with its shape
-# function, for tracing); its CPU kernel is chosen at the first compiled step that needs it (w8a8_kernel).
-# Registered through the low-level Library API: a `torch.library.custom_op` costs ~10 us more a call.
+# rounding to integers is the 8-bit quantization) with the prepacked ``weight``. Defined here with its shape
+# function (for tracing) and the Python kernel below under CompositeExplicitAutograd, so that it always runs (an
+# eager `static_step`, say); a CPU kernel, chosen at the first compiled step that needs it (w8a8_kernel), takes
+# precedence. Registered through the low-level Library API: a `torch.library.custom_op` costs ~10 us more a call.
 _LIB = torch.library.Library("minigpt", "FRAGMENT")
 _LIB.define("w8a8_mm(Tensor x, Tensor weight) -> Tensor")
 _W8A8_MM = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
@@ -217,11 +223,47 @@ def _w8a8_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _W8A8_MM(x, 1.0, 128, packed)
 
 
+_LIB.impl("w8a8_mm", _w8a8_mm, "CompositeExplicitAutograd")
+
+
 def _forget(key: tuple[int, tuple[int, ...]]) -> None:
     with _KERNEL_LOCK:
         _PACKED.pop(key, None)
         if _KERNEL == ["c++"]:
             torch.ops.minigpt.w8a8_forget(key[0])
+
+
+def build_runner(directory: Path) -> Path:
+    """The runner library (``minigpt/infer/native_runner.cpp`` against this torch's headers and libraries) in
+    ``directory``, built when absent (a C++17 compiler: ``$CXX`` or ``c++``; ~15 s) and written atomically. It is
+    both the native launcher's runner and this module's C++ kernel of ``minigpt::w8a8_mm``. Raises
+    ``RuntimeError`` with the compiler's last lines when the build fails."""
+    path = directory / f"runner-{runner_digest()}.so"
+    if path.is_file() and trusted(path):
+        return path
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(prefix=".partial-", suffix=".so", dir=directory)
+    os.close(fd)
+    root = Path(torch.__file__).resolve().parent  # torch.utils.cpp_extension's include and library paths on a CPU
+    lib = root / "lib"
+    cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC", "-w",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+           f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+           str(RUNNER_SOURCE), "-o", tmp, f"-L{lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
+    try:
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:  # no compiler at all
+            raise RuntimeError(f"building the native runner failed ({cmd[0]}): {e}") from None
+        if done.returncode != 0:
+            tail = " ".join(done.stderr.strip().splitlines()[-3:])
+            raise RuntimeError(f"building the native runner failed ({cmd[0]}): {tail[:400]}")
+        os.chmod(tmp, 0o700)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
 
 
 def w8a8_kernel() -> str:
@@ -237,9 +279,6 @@ def w8a8_kernel() -> str:
     with _KERNEL_LOCK:
         if _KERNEL:
             return _KERNEL[0]
-        # the launcher imports no torch and nothing of MiniGPT's model: no cycle
-        from minigpt.infer.launcher import NativeError, build_runner, cache_dir, install_w8a8_kernel
-
         try:
             directory = cache_dir()
             if directory is None:
@@ -249,6 +288,7 @@ def w8a8_kernel() -> str:
                 torch.ops.minigpt.w8a8_adopt(key[0], *key[1], packed)
             _KERNEL.append("c++")
         except (OSError, RuntimeError, NativeError) as e:  # NativeError is a RuntimeError; named for the reader
+            # the Python kernel for CPU too: a runner library loaded later then refuses to take over
             if not torch._C._dispatch_has_kernel_for_dispatch_key("minigpt::w8a8_mm", "CPU"):
                 _LIB.impl("w8a8_mm", _w8a8_mm, "CPU")
             warnings.warn(f"int8 products of compiled steps run through MiniGPT's Python kernel, slower (int8 decode "
