@@ -74,7 +74,7 @@ def test_each_row_is_quantized_on_its_own():
 
 
 def test_a_matrix_without_a_packed_copy_is_refused_and_freed_ones_are_forgotten():
-    library.w8a8_kernel()  # the op has a CPU kernel from the first compiled step on (or this call)
+    library.w8a8_kernel()  # the kernel a compiled step would use (C++ where the runner library builds)
     p, _ = _head()
     with pytest.raises(RuntimeError, match="no packed copy"):
         torch.ops.minigpt.w8a8_mm(torch.randn(1, 96), p.weight.clone())
@@ -109,7 +109,6 @@ def test_the_ops_kernel_is_the_runner_librarys_and_computes_what_the_python_one_
 FALLBACK = """
 import sys, warnings
 from pathlib import Path
-import torch
 from minigpt.infer.fastpath import library
 from minigpt.infer.fastpath.library import build_runner
 from minigpt.infer.launcher import NativeError, install_w8a8_kernel
