@@ -34,7 +34,13 @@ from typing import Callable, Optional, Sequence
 ENV = "MINIGPT_COMPILE_CACHE"
 FORMAT = 1  # of bundles and of launch_key: bump when either changes
 _PACKAGE = Path(__file__).resolve().parents[1]  # minigpt/
-RUNNER_SOURCE = _PACKAGE / "infer" / "native_runner.cpp"
+# The runner library's sources, compiled into one library: the runner, and the int4 kernel it and Python processes
+# register for the `minigpt::q4_mm` op.
+RUNNER_SOURCES = (_PACKAGE / "infer" / "native_runner.cpp", _PACKAGE / "infer" / "q4_kernel.cpp")
+# Their compiler flags (with the include paths and the ABI macro, minigpt.infer.fastpath.library.build_runner).
+# -fopenmp: ATen's parallel_for, which the int4 kernel's threads come from, is OpenMP inlined from the headers and
+# serial without it; the library then needs libgomp.so.1, which torch ships and has loaded already.
+RUNNER_FLAGS = ("-O2", "-std=c++17", "-fPIC", "-w", "-fopenmp")
 ERROR_BYTES = 2048
 # Cache lengths of the compiled step are rounded up to a multiple of this, so that generations of nearby lengths
 # share one compiled graph (a `torch.compile` step is compiled per [batch, cache length]); the native runner's
@@ -98,9 +104,11 @@ def torch_version() -> str:
 
 
 def runner_digest() -> str:
-    """sha256 of the runner's C++ source, torch's version and the Python ABI: the runner library's file name."""
-    h = hashlib.sha256(RUNNER_SOURCE.read_bytes())
-    h.update(repr((FORMAT, torch_version(), sys.version_info[:2], platform.machine())).encode())
+    """sha256 of the runner's C++ sources, torch's version and the Python ABI: the runner library's file name."""
+    h = hashlib.sha256()
+    for source in RUNNER_SOURCES:
+        h.update(source.read_bytes())
+    h.update(repr((FORMAT, RUNNER_FLAGS, torch_version(), sys.version_info[:2], platform.machine())).encode())
     return h.hexdigest()[:40]
 
 
@@ -114,6 +122,19 @@ def install_w8a8_kernel(library: Path) -> None:
     lib.mg_w8a8_install.argtypes = [ctypes.c_char_p, ctypes.c_int]
     err = ctypes.create_string_buffer(ERROR_BYTES)
     if lib.mg_w8a8_install(err, ERROR_BYTES) != 0:
+        raise NativeError(err.value.decode(errors="replace"))
+
+
+def install_q4_kernel(library: Path) -> None:
+    """Make the runner library's C++ function (``q4_kernel.cpp``) the CPU kernel of ``minigpt::q4_mm`` (int4 x
+    int8 products, :mod:`minigpt.infer.fastpath.library`) in this Python process, with the ``minigpt::q4_isa`` op
+    naming the instruction set it runs. Raises :class:`NativeError` when the library cannot be loaded or the op
+    already has another CPU kernel here."""
+    lib = _library(library)
+    lib.mg_q4_install.restype = ctypes.c_int
+    lib.mg_q4_install.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    err = ctypes.create_string_buffer(ERROR_BYTES)
+    if lib.mg_q4_install(err, ERROR_BYTES) != 0:
         raise NativeError(err.value.decode(errors="replace"))
 
 

@@ -2,8 +2,9 @@
 // and the tensors it reads (a bundle written by minigpt/infer/native.py), run through libtorch with no Python
 // interpreter between tokens and, above all, without `import torch` in the process that calls it: the torch-free
 // launcher (minigpt/cli/quick.py) loads this library with ctypes. Greedy decoding only. The same library gives a
-// Python process the C++ kernel of the int8 product op its compiled steps call (minigpt::w8a8_mm, see
-// register_w8a8_op and minigpt/infer/fastpath/library.py).
+// Python process the C++ kernels of the int8 and int4 product ops its compiled steps call (minigpt::w8a8_mm, see
+// register_w8a8_op and minigpt/infer/fastpath/library.py; minigpt::q4_mm, q4_kernel.cpp, compiled into the same
+// library).
 //
 // The C interface (every function catches every C++ exception and reports it through `err`):
 //   mg_open(package, bundle_dir, threads, err, errlen) -> handle or NULL
@@ -11,6 +12,7 @@
 //       -> the number of tokens generated, or -1; on_token(token) is called for each, a non-zero return stops.
 //   mg_close(handle)
 //   mg_w8a8_install(err, errlen) -> 0 or -1: in a Python process, the C++ kernel of the int8 product op
+//   mg_q4_install(err, errlen) -> 0 or -1: likewise for the int4 product op (q4_kernel.cpp)
 //
 // The bundle: `tensors.bin` (every tensor's bytes, 64-byte aligned, memory-mapped read-only: no copy),
 // `tensors.txt` (a header line `minigpt-native 1 n_layers n_kv_heads head_dim`, then one line per tensor:
@@ -296,12 +298,16 @@ void pack_w8a8(Runner& r, const std::string& dir, int threads) {
 
 extern "C" {
 
+int mg_q4_install(char* err, int errlen);  // q4_kernel.cpp: minigpt::q4_mm's kernel
+
 void* mg_open(const char* package, const char* bundle_dir, int threads, char* err, int errlen) {
   auto r = std::make_unique<Runner>();
   try {
     if (threads > 0) at::set_num_threads(threads);
     load_bundle(*r, bundle_dir);
     pack_w8a8(*r, bundle_dir, threads);  // before the package: its loader looks the op up
+    char q4_err[512] = {0};
+    if (mg_q4_install(q4_err, sizeof q4_err) != 0) throw std::runtime_error(q4_err);  // the int4 op, likewise
     r->loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(package, "model", false, 1, -1);
     std::unordered_map<std::string, at::Tensor> wanted;
     for (const auto& name : r->loader->get_constant_fqns()) {

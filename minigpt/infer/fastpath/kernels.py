@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minigpt.infer.fastpath.library import aten_woq_linear, w8a8_linear
+from minigpt.infer.fastpath.library import aten_woq_linear, q4_linear, w8a8_linear
 from minigpt.model.quant import Int4Linear, Int8Linear, dequantize_weight_int4, int4_linear, int8_linear
 from minigpt.runtime import native_bf16
 
@@ -64,11 +64,19 @@ class Proj:
         return self.word_scale is not None and self.word_scale.dtype == torch.bfloat16
 
     @property
+    def q4(self) -> bool:
+        """Whether :func:`~minigpt.infer.fastpath.library.q4_layout` prepared this int4 projection (its 3-D
+        ``words`` tell)."""
+        return self.words is not None and self.words.dim() == 3
+
+    @property
     def group_size(self) -> int:
         """The int4 group size (0 for other weights), from the shapes: ``in / scale.shape[1]``."""
         if self.scale is None or self.scale.dim() != 2:
             return 0
-        if self.weight is not None or self.words.dtype == torch.uint8:  # packed bytes (ATen's layout too)
+        if self.q4:
+            n_in = 8 * self.words.shape[1]
+        elif self.weight is not None or self.words.dtype == torch.uint8:  # packed bytes (ATen's layout too)
             n_in = 2 * (self.weight if self.weight is not None else self.words).shape[1]
         else:
             n_in = 8 * self.words.shape[1]
@@ -91,6 +99,8 @@ class Proj:
         w, rows = self.weight, x.numel() // x.shape[-1]
         if self.w8a8 is not None:  # FBGEMM, as in the compiled step, for every row count
             return w8a8_linear(self, x)
+        if self.q4 and rows <= INT4_ATEN_ROWS_MAX:  # int4 x int8, as in the compiled step
+            return q4_linear(self, x)
         group_size = self.group_size
         if self.aten_layout and rows <= (INT4_ATEN_ROWS_MAX if group_size else DECODE_ROWS_MAX):
             # ATen's kernels, as in the compiled step
@@ -327,6 +337,8 @@ def decode_linear(p, x: torch.Tensor, group_size: int = 0, w8a8: bool = False) -
         return w8a8_linear(p, x)
     batch, seq = x.shape[0], x.shape[1]
     rows = batch * seq  # every (row, position) is one vector of the product
+    if p.q4:  # int4 x int8 (library.q4_layout), any number of rows
+        return q4_linear(p, x)
     if p.aten_layout:  # any number of rows
         return aten_woq_linear(p, x, group_size)
     int4 = p.scale is not None and p.scale.dim() == 2

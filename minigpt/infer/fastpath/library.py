@@ -17,11 +17,12 @@ import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from minigpt.infer.launcher import RUNNER_SOURCE, NativeError, cache_dir, install_w8a8_kernel, runner_digest, trusted
+from minigpt.infer.launcher import (RUNNER_FLAGS, RUNNER_SOURCES, NativeError, cache_dir, install_q4_kernel, install_w8a8_kernel,
+                                    runner_digest, trusted)
 from minigpt.runtime import cpu_flags
 
 # The projections: kernels.Proj, which imports this module (so typed loosely here).
@@ -234,35 +235,43 @@ def _forget(key: tuple[int, tuple[int, ...]]) -> None:
 
 
 def build_runner(directory: Path) -> Path:
-    """The runner library (``minigpt/infer/native_runner.cpp`` against this torch's headers and libraries) in
-    ``directory``, built when absent (a C++17 compiler: ``$CXX`` or ``c++``; ~15 s) and written atomically. It is
-    both the native launcher's runner and this module's C++ kernel of ``minigpt::w8a8_mm``. Raises
-    ``RuntimeError`` with the compiler's last lines when the build fails."""
+    """The runner library (``minigpt/infer/native_runner.cpp`` and ``q4_kernel.cpp`` against this torch's headers
+    and libraries) in ``directory``, built when absent (a C++17 compiler: ``$CXX`` or ``c++``; the two sources
+    compiled side by side, ~25 s on 2 cores) and written atomically. It is both the native launcher's runner and
+    this module's C++ kernels of ``minigpt::w8a8_mm`` and ``minigpt::q4_mm``. Raises ``RuntimeError`` with the
+    compiler's last lines when the build fails."""
     path = directory / f"runner-{runner_digest()}.so"
     if path.is_file() and trusted(path):
         return path
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(prefix=".partial-", suffix=".so", dir=directory)
-    os.close(fd)
     root = Path(torch.__file__).resolve().parent  # torch.utils.cpp_extension's include and library paths on a CPU
     lib = root / "lib"
-    cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC", "-w",
-           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-           f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
-           str(RUNNER_SOURCE), "-o", tmp, f"-L{lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
-    try:
+    cxx = os.environ.get("CXX", "c++")
+    flags = [*RUNNER_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+             f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}"]
+    with tempfile.TemporaryDirectory(prefix=".partial-", dir=directory) as work:
+        objects = [str(Path(work) / f"{source.stem}.o") for source in RUNNER_SOURCES]
+        tmp = str(Path(work) / "runner.so")
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True)
+            jobs = [subprocess.Popen([cxx, *flags, "-c", str(source), "-o", obj], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
+                    for source, obj in zip(RUNNER_SOURCES, objects)]
+            results = []
+            for job in jobs:
+                stderr = job.communicate()[1]  # reads the pipe to the end, then waits
+                results.append((job.returncode, stderr))
+            if all(code == 0 for code, _ in results):
+                link = subprocess.run([cxx, "-shared", "-fopenmp", *objects, "-o", tmp, f"-L{lib}", "-ltorch_cpu", "-lc10",
+                                       f"-Wl,-rpath,{lib}"], capture_output=True, text=True)
+                results.append((link.returncode, link.stderr))
         except OSError as e:  # no compiler at all
-            raise RuntimeError(f"building the native runner failed ({cmd[0]}): {e}") from None
-        if done.returncode != 0:
-            tail = " ".join(done.stderr.strip().splitlines()[-3:])
-            raise RuntimeError(f"building the native runner failed ({cmd[0]}): {tail[:400]}")
+            raise RuntimeError(f"building the native runner failed ({cxx}): {e}") from None
+        for code, stderr in results:
+            if code != 0:
+                tail = " ".join(stderr.strip().splitlines()[-3:])
+                raise RuntimeError(f"building the native runner failed ({cxx}): {tail[:400]}")
         os.chmod(tmp, 0o700)
         os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return path
 
 
@@ -295,6 +304,108 @@ def w8a8_kernel() -> str:
                           f"~1.4x at 135M): {e}", RuntimeWarning, stacklevel=2)
             _KERNEL.append("python")
         return _KERNEL[0]
+
+
+# --- int4 x int8: minigpt::q4_mm ---------------------------------------------------------------------------------
+# `minigpt::q4_mm(x, weight, scale)`: float32 rows times an int4 matrix in q4_layout's blocks, the activations rounded
+# to 8 bits per group inside (minigpt/infer/q4_kernel.cpp, whose header gives the layout and the arithmetic). The
+# reference kernel below (CompositeExplicitAutograd: it always runs) computes the same integers in PyTorch; the C++
+# one, registered for CPU by q4_kernel(), is the one decode steps use.
+_LIB.define("q4_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor")
+_Q4: list[str] = []  # once q4_kernel has looked: the instruction set of the C++ kernel, or "" (none here)
+
+
+def q4_levels(weight: torch.Tensor) -> torch.Tensor:
+    """The int4 levels (0..15, ``int16``) ``[out, in]`` of a matrix in :func:`q4_layout`'s blocks ``weight``
+    ``[out / 16, in / 8, 64]``: row ``16 b + i``, input ``8 c + 4 h + j`` is nibble ``h`` of byte ``4 i + j`` of
+    ``weight[b, c]``."""
+    blocks, chunks = weight.shape[0], weight.shape[1]
+    w = weight.view(blocks, chunks, 16, 4).to(torch.int16)
+    levels = torch.stack([w & 15, w >> 4], dim=3)  # [block, chunk, row, half, j]
+    return levels.permute(0, 2, 1, 3, 4).reshape(blocks * 16, chunks * 8)
+
+
+def _q4_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    rows, n_in = x.shape
+    groups = scale.shape[1]
+    group = n_in // groups
+    xg = x.float().reshape(rows, groups, group)
+    d = xg.abs().amax(-1, keepdim=True) / 127.0  # llama.cpp's Q8_0 scale, kept in float32
+    inv = torch.where((d != 0) & d.isfinite(), 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xg * inv)  # ties to even, as the C++ kernel's nearbyint
+    levels = (q4_levels(weight) - 8).double().view(-1, groups, group)
+    isum = torch.einsum("rgk,ogk->rog", q.double(), levels).float()  # exact: small integers
+    s = scale.permute(0, 2, 1).reshape(-1, groups).float()  # [out, groups]
+    return (isum * (s[None] * d.view(rows, 1, groups))).sum(-1)
+
+
+_LIB.impl("q4_mm", _q4_mm, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("minigpt::q4_mm")
+def _q4_mm_fake(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0] * 16)
+
+
+def q4_kernel() -> Optional[str]:
+    """Register the C++ CPU kernel of ``minigpt::q4_mm`` for this process (once) and return the instruction set it
+    runs (``"avx512_vnni"``, ``"avx2"`` or ``"scalar"``; ``$MINIGPT_Q4_ISA`` caps it), or None where it cannot be
+    had: the compile cache is off (the runner library is built there), no C++ compiler, the build failed."""
+    with _KERNEL_LOCK:
+        if not _Q4:
+            try:
+                directory = cache_dir()
+                if directory is None:
+                    raise RuntimeError("the compile cache is off")
+                install_q4_kernel(build_runner(directory))
+                _Q4.append(str(torch.ops.minigpt.q4_isa()))
+            except (OSError, RuntimeError):  # NativeError is a RuntimeError
+                _Q4.append("")
+        return _Q4[0] or None
+
+
+def q4_wanted(kernel: str) -> bool:
+    """Whether ``kernel`` (one of :data:`WOQ_KERNELS`) sends int4 projections through :func:`q4_linear` here:
+    ``"auto"`` or ``"w8a8"`` and the C++ kernel vectorised on this CPU (AVX512-VNNI or AVX2, :func:`q4_kernel`;
+    building it the first time takes ~25 s)."""
+    return kernel in ("auto", "w8a8") and q4_kernel() not in (None, "scalar")
+
+
+def q4_layout(p: Proj) -> bool:
+    """Give the int4 projection ``p`` (group-wise ``Q4_0`` levels, :mod:`minigpt.model.quant`) the blocked copy
+    :func:`q4_linear` reads: ``words`` ``[out / 16, in / 8, 64]`` uint8 (16 rows x 8 inputs per 64 bytes, see
+    ``minigpt/infer/q4_kernel.cpp``) and ``word_scale`` ``[out / 16, groups, 16]`` float16 (the group scales of a
+    block's rows side by side). False (``p`` untouched) for other weights, weights off the CPU, output rows not a
+    multiple of 16 or groups not a multiple of 8 inputs. The packed matrix is kept (eager prefill reads it): the
+    copy doubles the int4 bytes in memory, not those a step reads.
+
+    Why: ATen's int4 kernel (:func:`aten_woq_layout`) converts every weight to float and multiplies bf16
+    activations; it read SmolLM-135M's layer matrices at ~9.8 GB/s on a 2-core Xeon (model 207). Multiplying the
+    4-bit levels by 8-bit activations in integers, 16 rows per vector (``vpdpbusd``), as llama.cpp's ``Q4_0`` x
+    ``Q8_0`` dot products do, needs a fraction of the instructions (docs/benchmarks.md)."""
+    if p.scale is None or p.scale.dim() != 2 or p.weight is None or p.weight.device.type != "cpu":
+        return False
+    out, groups = p.scale.shape
+    n_in = 2 * p.weight.shape[1]
+    if out % 16 or n_in % groups or (n_in // groups) % 8:
+        return False
+    packed = p.weight.view(out, groups, n_in // groups // 2)
+    levels = torch.stack([packed & 15, packed >> 4], dim=2).view(out, n_in)  # [out, in], Q4_0's order per group
+    lv = levels.view(out // 16, 16, n_in // 8, 2, 4)  # [block, row, chunk, half, j]
+    p.words = (lv[:, :, :, 0] | (lv[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous().view(out // 16, -1, 64)
+    p.word_scale = p.scale.to(torch.float16).view(out // 16, 16, groups).transpose(1, 2).contiguous()
+    return True
+
+
+def q4_linear(p: Proj, x: torch.Tensor) -> torch.Tensor:
+    """``p(x)`` through ``minigpt::q4_mm`` for ``p`` in :func:`q4_layout`'s blocks: ``x`` ``[..., in]`` ->
+    ``[..., out]`` in ``x``'s dtype, bias applied, any number of rows (each row's result independent of the others).
+    The activations are rounded to 8 bits per group of the weight (llama.cpp's ``Q8_0``: ``d = max|x| / 127``);
+    the integer sums are exact, the group products accumulated in float32."""
+    y = torch.ops.minigpt.q4_mm(x.reshape(-1, x.shape[-1]).float().contiguous(), p.words, p.word_scale)
+    if p.bias is not None:
+        y = y + p.bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], -1)
 
 
 @torch.library.register_fake("minigpt::w8a8_mm")

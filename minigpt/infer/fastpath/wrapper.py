@@ -25,7 +25,8 @@ from minigpt.infer.fastpath.kernels import (
     int8_words,
     module_proj,
 )
-from minigpt.infer.fastpath.library import aten_woq_layout, aten_woq_wanted, w8a8_kernel, w8a8_layouts, w8a8_wanted
+from minigpt.infer.fastpath.library import (aten_woq_layout, aten_woq_wanted, q4_layout, q4_wanted, w8a8_kernel,
+                                           w8a8_layouts, w8a8_wanted)
 from minigpt.infer.fastpath.step import Geometry
 from minigpt.infer.kv_cache import LayerKVCache
 from minigpt.infer.launcher import CACHE_BUCKET
@@ -143,15 +144,19 @@ class FastPath(nn.Module):
         # The step passes ATen's int4 kernel one group size (a constant): with several, int4 stays on the loops.
         groups = {q.group_size for q in flat} - {0}
         packed = {id(q) for q, ok in zip(flat, w8a8_layouts(flat)) if ok} if w8a8 else set()  # int8 ones
+        # int4: MiniGPT's int4 x int8 kernel where it runs vectorised (asked only when there is int4: the first
+        # ask builds the runner library)
+        q4 = bool(groups) and q4_wanted(self.woq_kernel)
         for q in flat:
-            if id(q) in packed:
+            if id(q) in packed or (q4 and q.group_size and q4_layout(q)):
                 continue
             if aten and (q.group_size == 0 or len(groups) == 1) and aten_woq_layout(q):
                 continue
             if self.compiled:
                 q.words = int8_words(q.weight)
                 q.word_scale = int4_word_scales(q)
-        self.woq_group_size = groups.pop() if aten and len(groups) == 1 else 0
+        aten_int4 = any(q.aten_layout and q.group_size for q in flat)
+        self.woq_group_size = groups.pop() if aten_int4 else 0
         int8_layers = [q for q in flat[1:] if q.scale is not None and q.scale.dim() == 1]  # flat[0]: the head
         layers_w8a8 = bool(int8_layers) and all(id(q) in packed for q in int8_layers)
         # RoPE tables in the activation dtype, the sine in the signed form rope_rotate takes (signed once, here).

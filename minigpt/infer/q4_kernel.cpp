@@ -1,0 +1,298 @@
+// MiniGPT's int4 x int8 matrix product for decode steps: the CPU kernel of the op minigpt::q4_mm(x, weight, scale),
+// built into the native runner library (minigpt/infer/native_runner.cpp, whose build compiles this file beside it)
+// and registered in a Python process by mg_q4_install, in the runner's own process when it opens a bundle.
+//
+// What it computes (the layout is written by minigpt/infer/fastpath/library.py, q4_layout):
+//   x       [rows, in] float32 activations, quantized here group by group as llama.cpp's Q8_0 does
+//           (ggml-quants.c, quantize_row_q8_0_ref: d = max|x| / 127, q = round(x / d)), d kept in float32;
+//   weight  [out / 16, in / 8, 64] uint8: the int4 levels (0..15) of Q4_0 (value = (level - 8) * scale), 16 output
+//           rows by 8 inputs per 64 bytes: byte 4 i + j of chunk c holds row i's level of input 8 c + j in its low
+//           nibble and of input 8 c + 4 + j in its high nibble;
+//   scale   [out / 16, in / group, 16] float16: each group's scale, the 16 rows of a block side by side;
+//   result  [rows, out] float32: y[m, n] = sum over groups g of (s[n, g] * d[m, g]) * sum_k (level - 8) * q[m, k],
+//           the integer sums exact (int32), the groups accumulated in order by fused multiply-adds.
+//
+// Why this layout: each 32-bit lane of a vector register then belongs to one output row and takes four of its
+// weights, so one `vpdpbusd` (AVX512-VNNI: unsigned bytes x signed bytes, four products summed into each int32
+// lane) multiplies 16 rows by 4 inputs with the four activation bytes broadcast, and nothing is summed across lanes
+// (llama.cpp's repacked Q4_0 layouts, ggml-cpu/repack.cpp, interleave rows for the same reason). Three paths give
+// the same integers and the same floats, bit for bit: AVX512-VNNI, AVX2 (`vpmaddubsw` + `vpmaddwd`: the pair sums
+// stay below 2 x 15 x 127, no saturation) and plain C++; MINIGPT_Q4_ISA=avx2|scalar caps the choice (tests, A/B).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRows = 16;   // output rows per block
+constexpr int64_t kBlock = 64;  // bytes per block and chunk of 8 inputs
+constexpr int kMaxRows = 4;     // activation rows sharing one pass over a block's weights
+// Bytes ahead of the weight read to prefetch. A decode step's matrices come from memory, not cache, and the
+// hardware prefetcher alone left the product latency-bound: SmolLM-135M's 120 layer matrices (60 MB, 2 threads,
+// Xeon model 207) streamed at 7-11 GB/s without, 11-14 GB/s at 8 KB (4 KB 13, 16 KB 12.5, 32 KB 7-11).
+constexpr int64_t kPrefetch = 8192;
+
+struct Quantized {
+  std::vector<int8_t> q;     // [rows, in]
+  std::vector<float> d;      // [rows, groups]
+  std::vector<int32_t> sum;  // [rows, groups]: sum of q over the group, for the levels' offset of 8
+};
+
+void quantize(const float* x, int64_t rows, int64_t in, int64_t group, Quantized& out) {
+  int64_t groups = in / group;
+  out.q.resize(rows * in);
+  out.d.resize(rows * groups);
+  out.sum.resize(rows * groups);
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xs = x + m * in + g * group;
+      float amax = 0.0f;
+      bool nan = false;
+      for (int64_t k = 0; k < group; ++k) {
+        amax = std::max(amax, std::fabs(xs[k]));
+        nan = nan || std::isnan(xs[k]);
+      }
+      float d = nan ? NAN : amax / 127.0f;  // std::max drops a NaN; the group's products must not
+      float id = (d != 0.0f && std::isfinite(d)) ? 1.0f / d : 0.0f;  // a non-finite d reaches the output
+      int32_t s = 0;
+      int8_t* q = out.q.data() + m * in + g * group;
+      for (int64_t k = 0; k < group; ++k) {
+        q[k] = static_cast<int8_t>(std::nearbyint(xs[k] * id));  // ties to even, as torch.round
+        s += q[k];
+      }
+      out.d[m * groups + g] = d;
+      out.sum[m * groups + g] = s;
+    }
+  }
+}
+
+// One block of 16 output rows for M activation rows. w: the block's [in / 8, 64] bytes; s: its [groups, 16] scales;
+// y: row m's 16 outputs at y + m * ldy.
+struct Args {
+  const uint8_t* w;
+  const c10::Half* s;
+  const int8_t* q;
+  const float* d;
+  const int32_t* sum;
+  int64_t in, groups, chunks;  // chunks of 8 inputs per group
+  float* y;
+  int64_t ldy;
+};
+
+inline int32_t four(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+template <int M>
+void block_scalar(const Args& a) {
+  for (int64_t i = 0; i < kRows; ++i) {
+    for (int m = 0; m < M; ++m) {
+      const int8_t* q = a.q + m * a.in;
+      float acc = 0.0f;
+      for (int64_t g = 0; g < a.groups; ++g) {
+        int32_t isum = -8 * a.sum[m * a.groups + g];
+        for (int64_t c = 0; c < a.chunks; ++c) {
+          int64_t chunk = g * a.chunks + c;
+          const uint8_t* b = a.w + chunk * kBlock + 4 * i;
+          for (int j = 0; j < 4; ++j)
+            isum += (b[j] & 15) * q[8 * chunk + j] + (b[j] >> 4) * q[8 * chunk + 4 + j];
+        }
+        float f = static_cast<float>(a.s[g * kRows + i]) * a.d[m * a.groups + g];
+        acc = std::fma(static_cast<float>(isum), f, acc);
+      }
+      a.y[m * a.ldy + i] = acc;
+    }
+  }
+}
+
+template <int M>
+__attribute__((target("avx2,f16c,fma"))) void block_avx2(const Args& a) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t half = 0; half < 2; ++half) {  // rows 0-7, then 8-15: the second 32 bytes of every chunk
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    const uint8_t* w = a.w + 32 * half;
+    for (int64_t g = 0; g < a.groups; ++g) {
+      __m256i isum[M];
+      for (int m = 0; m < M; ++m) isum[m] = _mm256_set1_epi32(-8 * a.sum[m * a.groups + g]);
+      for (int64_t c = 0; c < a.chunks; ++c) {
+        int64_t chunk = g * a.chunks + c;
+        if (half == 0) _mm_prefetch(reinterpret_cast<const char*>(w + chunk * kBlock) + kPrefetch, _MM_HINT_T0);
+        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + chunk * kBlock));
+        __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        for (int m = 0; m < M; ++m) {
+          const int8_t* q = a.q + m * a.in + 8 * chunk;
+          __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(four(q))),
+                                           _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four(q + 4))));
+          isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+      __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.s + g * kRows + 8 * half)));
+      for (int m = 0; m < M; ++m) {
+        __m256 f = _mm256_mul_ps(scale, _mm256_set1_ps(a.d[m * a.groups + g]));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), f, acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) _mm256_storeu_ps(a.y + m * a.ldy + 8 * half, acc[m]);
+  }
+}
+
+template <int M>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma"))) void block_vnni(const Args& a) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const uint8_t* w = a.w;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    // Two sums per row, low and high nibbles: two dependency chains of vpdpbusd instead of one.
+    __m512i lo_sum[M], hi_sum[M];
+    for (int m = 0; m < M; ++m) {
+      lo_sum[m] = _mm512_set1_epi32(-8 * a.sum[m * a.groups + g]);
+      hi_sum[m] = _mm512_setzero_si512();
+    }
+    for (int64_t c = 0; c < a.chunks; ++c, w += kBlock) {
+      int64_t chunk = g * a.chunks + c;
+      _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch, _MM_HINT_T0);
+      __m512i v = _mm512_loadu_si512(w);
+      __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      for (int m = 0; m < M; ++m) {
+        const int8_t* q = a.q + m * a.in + 8 * chunk;
+        lo_sum[m] = _mm512_dpbusd_epi32(lo_sum[m], lo, _mm512_set1_epi32(four(q)));
+        hi_sum[m] = _mm512_dpbusd_epi32(hi_sum[m], hi, _mm512_set1_epi32(four(q + 4)));
+      }
+    }
+    __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.s + g * kRows)));
+    for (int m = 0; m < M; ++m) {
+      __m512 f = _mm512_mul_ps(scale, _mm512_set1_ps(a.d[m * a.groups + g]));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo_sum[m], hi_sum[m])), f, acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(a.y + m * a.ldy, acc[m]);
+}
+
+using BlockFn = void (*)(const Args&);
+
+#define MG_Q4_TABLE(fn) {fn<1>, fn<2>, fn<3>, fn<4>}
+
+enum Isa { kScalar = 0, kAvx2 = 1, kVnni = 2 };
+const char* const kIsaNames[] = {"scalar", "avx2", "avx512_vnni"};
+
+// The best path this CPU runs, capped by $MINIGPT_Q4_ISA; read once.
+Isa chosen_isa() {
+  static const Isa isa = [] {
+    __builtin_cpu_init();
+    Isa best = kScalar;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+      best = kAvx2;
+    if (best == kAvx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+      best = kVnni;
+    const char* cap = std::getenv("MINIGPT_Q4_ISA");
+    if (cap != nullptr) {
+      for (int i = 0; i < 3; ++i)
+        if (std::string(cap) == kIsaNames[i]) best = std::min(best, static_cast<Isa>(i));
+    }
+    return best;
+  }();
+  return isa;
+}
+
+at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "minigpt::q4_mm: x must be float32 [rows, in]");
+  TORCH_CHECK(weight.dim() == 3 && weight.scalar_type() == at::kByte && weight.size(2) == kBlock,
+              "minigpt::q4_mm: weight must be uint8 [out / 16, in / 8, 64]");
+  TORCH_CHECK(scale.dim() == 3 && scale.scalar_type() == at::kHalf && scale.size(0) == weight.size(0) &&
+                  scale.size(2) == kRows,
+              "minigpt::q4_mm: scale must be float16 [out / 16, groups, 16], as many blocks as the weight");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && scale.device().is_cpu(),
+              "minigpt::q4_mm: CPU tensors only");
+  const int64_t rows = x.size(0), in = x.size(1), blocks = weight.size(0), groups = scale.size(1);
+  TORCH_CHECK(weight.size(1) * 8 == in, "minigpt::q4_mm: x has ", in, " inputs, the weight ", weight.size(1) * 8);
+  TORCH_CHECK(groups > 0 && in % groups == 0 && (in / groups) % 8 == 0,
+              "minigpt::q4_mm: ", groups, " groups do not divide ", in, " inputs into multiples of 8");
+  at::Tensor xc = x.contiguous(), wc = weight.contiguous(), sc = scale.contiguous();
+  at::Tensor y = at::empty({rows, blocks * kRows}, x.options());
+  if (rows == 0 || blocks == 0) return y;
+  Quantized qx;
+  quantize(xc.data_ptr<float>(), rows, in, in / groups, qx);
+  static const BlockFn scalar[] = MG_Q4_TABLE(block_scalar), avx2[] = MG_Q4_TABLE(block_avx2),
+                       vnni[] = MG_Q4_TABLE(block_vnni);
+  const BlockFn* table = chosen_isa() == kVnni ? vnni : chosen_isa() == kAvx2 ? avx2 : scalar;
+  const uint8_t* w = wc.data_ptr<uint8_t>();
+  const c10::Half* s = sc.data_ptr<c10::Half>();
+  float* out = y.data_ptr<float>();
+  const int64_t chunks = in / groups / 8;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
+        int n = static_cast<int>(std::min<int64_t>(kMaxRows, rows - m0));
+        Args a{w + b * (in / 8) * kBlock, s + b * groups * kRows, qx.q.data() + m0 * in, qx.d.data() + m0 * groups,
+               qx.sum.data() + m0 * groups, in, groups, chunks, out + m0 * blocks * kRows + b * kRows,
+               blocks * kRows};
+        table[n - 1](a);
+      }
+    }
+  });
+  return y;
+}
+
+std::string q4_isa() { return kIsaNames[chosen_isa()]; }
+
+std::mutex op_mutex;
+std::unique_ptr<torch::Library> op_definition, op_implementation;
+
+// Define the ops unless this process has (a Python process that imported MiniGPT's fast path defines q4_mm, with
+// its shape function for tracing and its reference kernel) and make this the CPU kernel.
+void register_q4_op() {
+  std::lock_guard<std::mutex> guard(op_mutex);
+  if (op_implementation) return;
+  auto op = c10::Dispatcher::singleton().findSchema({"minigpt::q4_mm", ""});
+  if (op.has_value() && op->hasKernelForDispatchKey(c10::DispatchKey::CPU))
+    throw std::runtime_error("minigpt::q4_mm already has another CPU kernel in this process");
+  auto definition = std::make_unique<torch::Library>(torch::Library::FRAGMENT, "minigpt", std::nullopt, __FILE__,
+                                                     __LINE__);
+  if (!op.has_value()) definition->def("q4_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor");
+  definition->def("q4_isa() -> str", TORCH_FN(q4_isa));
+  auto implementation = std::make_unique<torch::Library>(torch::Library::IMPL, "minigpt", c10::DispatchKey::CPU,
+                                                         __FILE__, __LINE__);
+  implementation->impl("q4_mm", TORCH_FN(q4_mm));
+  op_definition = std::move(definition);
+  op_implementation = std::move(implementation);
+}
+
+}  // namespace
+
+extern "C" {
+
+// The C++ kernel of minigpt::q4_mm for this process (a Python process, or the runner before it loads a package that
+// calls the op). Returns 0, or -1 with the reason in `err`.
+int mg_q4_install(char* err, int errlen) {
+  try {
+    register_q4_op();
+    return 0;
+  } catch (const std::exception& e) {
+    if (err != nullptr && errlen > 0) {
+      std::strncpy(err, e.what(), static_cast<size_t>(errlen) - 1);
+      err[errlen - 1] = '\0';
+    }
+    return -1;
+  }
+}
+
+}  // extern "C"
