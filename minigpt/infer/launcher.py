@@ -117,12 +117,7 @@ def install_w8a8_kernel(library: Path) -> None:
     product, :mod:`minigpt.infer.fastpath.library`) in this Python process, with its ``w8a8_adopt`` /
     ``w8a8_forget`` ops for the packed copies. Raises :class:`NativeError` when the library cannot be loaded or
     the op already has another CPU kernel here."""
-    lib = _library(library)
-    lib.mg_w8a8_install.restype = ctypes.c_int
-    lib.mg_w8a8_install.argtypes = [ctypes.c_char_p, ctypes.c_int]
-    err = ctypes.create_string_buffer(ERROR_BYTES)
-    if lib.mg_w8a8_install(err, ERROR_BYTES) != 0:
-        raise NativeError(err.value.decode(errors="replace"))
+    _install(library, "mg_w8a8_install")
 
 
 def install_q4_kernel(library: Path) -> None:
@@ -130,11 +125,16 @@ def install_q4_kernel(library: Path) -> None:
     int8 products, :mod:`minigpt.infer.fastpath.library`) in this Python process, with the ``minigpt::q4_isa`` op
     naming the instruction set it runs. Raises :class:`NativeError` when the library cannot be loaded or the op
     already has another CPU kernel here."""
-    lib = _library(library)
-    lib.mg_q4_install.restype = ctypes.c_int
-    lib.mg_q4_install.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    _install(library, "mg_q4_install")
+
+
+def _install(library: Path, symbol: str) -> None:
+    """Call the runner library's ``int symbol(char *err, int errlen)`` (0, or -1 with the reason in ``err``)."""
+    install = getattr(_library(library), symbol)
+    install.restype = ctypes.c_int
+    install.argtypes = [ctypes.c_char_p, ctypes.c_int]
     err = ctypes.create_string_buffer(ERROR_BYTES)
-    if lib.mg_q4_install(err, ERROR_BYTES) != 0:
+    if install(err, ERROR_BYTES) != 0:
         raise NativeError(err.value.decode(errors="replace"))
 
 

@@ -2,7 +2,7 @@
 the fusion of a model's projections into row views of one matrix (:func:`fuse_projections`), and the matrix-vector
 products of the compiled decode step (:func:`decode_linear`, with int8 and packed int4 weights read as float32
 words, :func:`int8_words`, or handed to ATen's weight-only kernels, :func:`aten_woq_linear`, or, int8, to FBGEMM's
-int8 x int8 product, :func:`w8a8_linear`).
+int8 x int8 product, :func:`w8a8_linear`, or, int4, to MiniGPT's int4 x int8 kernel, :func:`q4_linear`).
 """
 from __future__ import annotations
 
@@ -27,11 +27,13 @@ ACT_DTYPE = torch.float32
 # decode_linear); larger batches use the BLAS GEMM.
 DECODE_ROWS_MAX = 8
 
-# int4 weights in ATen's layout (aten_woq_layout), eager path: up to this many rows (a short prompt) go through
-# ATen's int4 kernel as a decode step does, more through the dequantized GEMM. Measured on a 2-core Xeon (family 6
-# model 207, AVX512-BF16/AMX), SmolLM-135M's shape, whole prefill, kernel against dequantized bf16 GEMM: 9 rows 47 /
-# 166 ms, 13 rows 57 / 168, 32 rows 94 / 180, 64 rows 170 / 196, 128 rows 320 / 235; the kernel's last logits were
-# also nearer those of a token-by-token prefill (max |diff| 0.017 against 0.030 at 13 and 32 rows).
+# int4 weights in MiniGPT's int4 x int8 layout (library.q4_layout) or ATen's (aten_woq_layout), eager path: up to
+# this many rows (a short prompt) go through that kernel as a decode step does, more through the dequantized GEMM.
+# Measured on a 2-core Xeon (family 6 model 207, AVX512-BF16/AMX), SmolLM-135M's shape, whole prefill, ATen's
+# kernel against the dequantized bf16 GEMM: 9 rows 47 / 166 ms, 13 rows 57 / 168, 32 rows 94 / 180, 64 rows 170 /
+# 196, 128 rows 320 / 235; the kernel's last logits were also nearer those of a token-by-token prefill (max |diff|
+# 0.017 against 0.030 at 13 and 32 rows). MiniGPT's kernel, same host later (session 38): 9 rows 31-44 ms, 32 rows
+# 79-101, 64 rows 171-183, against the GEMM's 185-189, 202-216 and 229-500 (noisy), ATen's 55-58, 121-137, 219-242.
 INT4_ATEN_ROWS_MAX = 64
 
 
@@ -92,7 +94,9 @@ class Proj:
         once per call, because CPUs without native bf16 run half-precision GEMMs ~100x slower than fp32 ones.
         int8 weights packed for FBGEMM (:func:`w8a8_layout`): any number of rows through :func:`w8a8_linear`, so
         that a row's result never depends on how many rows share the call (a prompt prefilled beside others, a
-        chunked prefill, a decode step: the same numbers). int8/int4 weights given ATen's layout
+        chunked prefill, a decode step: the same numbers). int4 weights in MiniGPT's int4 x int8 layout
+        (:func:`~minigpt.infer.fastpath.library.q4_layout`): up to :data:`INT4_ATEN_ROWS_MAX` rows through
+        :func:`~minigpt.infer.fastpath.library.q4_linear`, as in the compiled step. int8/int4 weights given ATen's layout
         (:func:`aten_woq_layout`): a few rows (int4: up to :data:`INT4_ATEN_ROWS_MAX`) through ATen's weight-only
         kernels on bf16 activations (the compiled step's numerics); more rows through the dequantized GEMM, in bf16
         on CPUs with native bf16 (:meth:`_bf16_gemm`), else in float32."""

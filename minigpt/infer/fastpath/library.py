@@ -1,8 +1,10 @@
 """int8 and int4 products through library kernels, for decode steps (eager and compiled) of few rows: ATen's
-weight-only kernels on bf16 activations (:func:`aten_woq_layout` / :func:`aten_woq_linear`) and FBGEMM's int8 x int8
+weight-only kernels on bf16 activations (:func:`aten_woq_layout` / :func:`aten_woq_linear`), FBGEMM's int8 x int8
 product on activations rounded to 8 bits per row (:func:`w8a8_layout` / :func:`w8a8_linear`, reached from a
 compiled step through the ``minigpt::w8a8_mm`` op, whose CPU kernel is C++ where the native runner library builds:
-:func:`w8a8_kernel`). Which of them a model uses: :data:`WOQ_KERNELS`.
+:func:`w8a8_kernel`) and MiniGPT's own int4 x int8 kernel on activations rounded to 8 bits per group
+(:func:`q4_layout` / :func:`q4_linear`, the op ``minigpt::q4_mm``, C++ in the same library: :func:`q4_kernel`).
+Which of them a model uses: :data:`WOQ_KERNELS`.
 
 The projections are :class:`~minigpt.infer.fastpath.kernels.Proj` objects (read here by their fields only).
 """
@@ -32,8 +34,8 @@ Proj = Any
 # Which kernels decode steps use for int8 / int4 weights: "w8a8" (int8 through FBGEMM's int8 x int8 product,
 # w8a8_layout; int4 as "auto"), "aten" (ATen's weight-only kernels on bf16 activations, aten_woq_layout), "words"
 # (the compiled step's generated loops, kernels.int8_words, float32 activations) or "auto" (w8a8 for int8 where
-# w8a8_available(); int4, and int8 without FBGEMM, on ATen's kernels where the CPU has AVX-512, for which they
-# are vectorised, else on the loops).
+# w8a8_available(); int4 through MiniGPT's int4 x int8 kernel where it runs vectorised, q4_wanted; what is left on
+# ATen's kernels where the CPU has AVX-512, for which they are vectorised, else on the loops).
 WOQ_KERNELS = ("auto", "w8a8", "aten", "words")
 
 
@@ -278,7 +280,7 @@ def build_runner(directory: Path) -> Path:
 def w8a8_kernel() -> str:
     """Register the CPU kernel of ``minigpt::w8a8_mm`` for this process (once) and return which it is: ``"c++"``,
     the native runner library's (``minigpt/infer/native_runner.cpp``, built into the compile cache once per
-    machine and torch version, ~15 s; the packed copies made here are handed to it), else ``"python"``
+    machine and torch version, ~25 s; the packed copies made here are handed to it), else ``"python"``
     (:func:`_w8a8_mm`), with a warning saying why (the compile cache is off, no C++ compiler, the build failed).
 
     Why C++: a compiled step (an AOTInductor package or ``torch.compile``'s code) calls the op ~120 times a token at
