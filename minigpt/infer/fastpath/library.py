@@ -23,8 +23,16 @@ from typing import Any, Optional
 
 import torch
 
-from minigpt.infer.launcher import (RUNNER_FLAGS, RUNNER_SOURCES, NativeError, cache_dir, install_q4_kernel, install_w8a8_kernel,
-                                    runner_digest, trusted)
+from minigpt.infer.launcher import (
+    RUNNER_FLAGS,
+    RUNNER_SOURCES,
+    NativeError,
+    cache_dir,
+    install_q4_kernel,
+    install_w8a8_kernel,
+    runner_digest,
+    trusted,
+)
 from minigpt.runtime import cpu_flags
 
 # The projections: kernels.Proj, which imports this module (so typed loosely here).

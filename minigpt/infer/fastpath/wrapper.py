@@ -25,8 +25,15 @@ from minigpt.infer.fastpath.kernels import (
     int8_words,
     module_proj,
 )
-from minigpt.infer.fastpath.library import (aten_woq_layout, aten_woq_wanted, q4_layout, q4_wanted, w8a8_kernel,
-                                           w8a8_layouts, w8a8_wanted)
+from minigpt.infer.fastpath.library import (
+    aten_woq_layout,
+    aten_woq_wanted,
+    q4_layout,
+    q4_wanted,
+    w8a8_kernel,
+    w8a8_layouts,
+    w8a8_wanted,
+)
 from minigpt.infer.fastpath.step import Geometry
 from minigpt.infer.kv_cache import LayerKVCache
 from minigpt.infer.launcher import CACHE_BUCKET
