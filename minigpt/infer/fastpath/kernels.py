@@ -76,11 +76,9 @@ class Proj:
         """The int4 group size (0 for other weights), from the shapes: ``in / scale.shape[1]``."""
         if self.scale is None or self.scale.dim() != 2:
             return 0
-        if self.q4:
-            n_in = 8 * self.words.shape[1]
-        elif self.weight is not None or self.words.dtype == torch.uint8:  # packed bytes (ATen's layout too)
+        if self.weight is not None or (self.words.dtype == torch.uint8 and not self.q4):  # packed (ATen's too)
             n_in = 2 * (self.weight if self.weight is not None else self.words).shape[1]
-        else:
+        else:  # float32 words or q4_layout's blocks: 8 inputs per word or per block column
             n_in = 8 * self.words.shape[1]
         return n_in // self.scale.shape[1]
 

@@ -91,12 +91,19 @@ def aten_woq_layout(p: Proj) -> bool:
     group_size = 2 * p.weight.shape[1] // n_groups
     if out % 16 or group_size not in (32, 64, 128, 256):
         return False
-    packed = p.weight.view(out, n_groups, group_size // 2)
-    levels = torch.stack([packed & 15, packed >> 4], dim=2).view(out, -1).to(torch.int32)  # [out, in] in 0..15
+    levels = _q4_0_levels(p.weight, n_groups).to(torch.int32)
     p.words = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
     scale = p.scale.float().T  # [n_groups, out]
     p.word_scale = torch.stack([scale, torch.zeros_like(scale)], dim=-1).to(torch.bfloat16).contiguous()
     return True
+
+
+def _q4_0_levels(packed: torch.Tensor, groups: int) -> torch.Tensor:
+    """The levels (0..15, uint8) ``[out, in]`` of a ``Q4_0``-packed matrix ``[out, in / 2]`` of ``groups`` groups a
+    row: in a group of ``g`` inputs, byte ``b`` holds input ``b`` (low nibble) and ``g / 2 + b`` (high)."""
+    out = packed.shape[0]
+    grouped = packed.view(out, groups, -1)
+    return torch.stack([grouped & 15, grouped >> 4], dim=2).view(out, -1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -399,9 +406,7 @@ def q4_layout(p: Proj) -> bool:
     n_in = 2 * p.weight.shape[1]
     if out % 16 or n_in % groups or (n_in // groups) % 8:
         return False
-    packed = p.weight.view(out, groups, n_in // groups // 2)
-    levels = torch.stack([packed & 15, packed >> 4], dim=2).view(out, n_in)  # [out, in], Q4_0's order per group
-    lv = levels.view(out // 16, 16, n_in // 8, 2, 4)  # [block, row, chunk, half, j]
+    lv = _q4_0_levels(p.weight, groups).view(out // 16, 16, n_in // 8, 2, 4)  # [block, row, chunk, half, j]
     p.words = (lv[:, :, :, 0] | (lv[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous().view(out // 16, -1, 64)
     p.word_scale = p.scale.to(torch.float16).view(out // 16, 16, groups).transpose(1, 2).contiguous()
     return True
