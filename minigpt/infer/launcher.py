@@ -36,7 +36,7 @@ FORMAT = 1  # of bundles and of launch_key: bump when either changes
 _PACKAGE = Path(__file__).resolve().parents[1]  # minigpt/
 # The runner library's sources, compiled into one library: the runner, and the int4 kernel it and Python processes
 # register for the `minigpt::q4_mm` op.
-RUNNER_SOURCES = (_PACKAGE / "infer" / "native_runner.cpp", _PACKAGE / "infer" / "q4_kernel.cpp")
+RUNNER_SOURCES = tuple(_PACKAGE / "infer" / name for name in ("native_runner.cpp", "q4_kernel.cpp", "w8a8_kernel.cpp"))
 # Their compiler flags (with the include paths and the ABI macro, minigpt.infer.fastpath.library.build_runner).
 # -fopenmp: ATen's parallel_for, which the int4 kernel's threads come from, is OpenMP inlined from the headers and
 # serial without it; the library then needs libgomp.so.1, which torch ships and has loaded already.

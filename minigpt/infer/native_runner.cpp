@@ -3,8 +3,8 @@
 // interpreter between tokens and, above all, without `import torch` in the process that calls it: the torch-free
 // launcher (minigpt/cli/quick.py) loads this library with ctypes. Greedy decoding only. The same library gives a
 // Python process the C++ kernels of the int8 and int4 product ops its compiled steps call (minigpt::w8a8_mm, see
-// register_w8a8_op and minigpt/infer/fastpath/library.py; minigpt::q4_mm, q4_kernel.cpp, compiled into the same
-// library).
+// register_w8a8_op and minigpt/infer/fastpath/library.py, with MiniGPT's own kernel for a few rows in
+// w8a8_kernel.cpp; minigpt::q4_mm, q4_kernel.cpp; all three sources compiled into the same library).
 //
 // The C interface (every function catches every C++ exception and reports it through `err`):
 //   mg_open(package, bundle_dir, threads, err, errlen) -> handle or NULL
@@ -18,7 +18,8 @@
 // `tensors.txt` (a header line `minigpt-native 1 n_layers n_kv_heads head_dim`, then one line per tensor:
 // `name dtype offset ndim size... stride...`, sizes and strides in elements, the offset in bytes) and, when the step
 // multiplies int8 matrices through FBGEMM (the `minigpt::w8a8_mm` op, minigpt/infer/fastpath/library.py),
-// `w8a8.txt`: one `weight_name scale_name` pair per such matrix, packed for FBGEMM when the bundle is opened.
+// `w8a8.txt`: one `weight_name scale_name` pair per such matrix, multiplied in place by MiniGPT's own kernel
+// (w8a8_kernel.cpp) on a CPU with AVX512-VNNI, else packed for FBGEMM when the bundle is opened.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/quantized/PackedParams.h>
@@ -44,15 +45,24 @@
 #include <unordered_map>
 #include <vector>
 
+namespace minigpt_w8a8 {  // w8a8_kernel.cpp
+bool available();
+void quantize(const float* x, int64_t rows, int64_t in, int64_t padded, int8_t* q, int32_t* sum);
+void product(const int8_t* q, const int32_t* qsum, int64_t rows, int64_t padded, const int8_t* w, int64_t in,
+             const float* scale, int64_t n0, int64_t n1, float* y, int64_t ldy);
+}  // namespace minigpt_w8a8
+
 namespace {
 
 using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
 
-// FBGEMM's packed copies of the int8 matrices, by the address of the matrix the package passes to the op: one per
-// block of rows (a large matrix, the LM head, is packed in blocks on several threads; see pack_w8a8), and the shape
-// they were packed from, checked at every call (an address reused by another matrix must not find a stale copy).
+// The int8 matrices the op may multiply, by the address of the matrix the package passes to it: their row scales
+// (float32) for MiniGPT's own kernel (w8a8_kernel.cpp), FBGEMM's packed copies where it is used (one per block of
+// rows: a large matrix, the LM head, is packed in blocks on several threads; see pack_w8a8), and the shape, checked
+// at every call (an address reused by another matrix must not find a stale entry).
 struct PackedMatrix {
-  std::vector<Packed> blocks;
+  std::vector<Packed> blocks;  // empty where every call takes MiniGPT's kernel (the runner on a VNNI CPU)
+  at::Tensor scale;
   int64_t rows = 0, cols = 0;
 };
 std::mutex packed_mutex;
@@ -66,10 +76,35 @@ struct QuietWarnings : c10::WarningHandler {
 std::mutex op_mutex;
 std::unique_ptr<torch::Library> op_definition, op_implementation;
 
-// minigpt::w8a8_mm(x, weight): the rows of x (already divided by their scale) times the int8 matrix, through its
-// packed copy, as the Python implementation in minigpt/infer/fastpath/library.py computes it.
+constexpr int64_t kOwnRows = 4;  // calls of up to this many rows take MiniGPT's kernel (decode steps)
+
+// MiniGPT's kernel (w8a8_kernel.cpp): the same numbers as FBGEMM's, read from the matrix in place.
+at::Tensor own_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == weight.size(1),
+              "minigpt::w8a8_mm: x must be float32 [rows, ", weight.size(1), "]");
+  at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  const int64_t rows = xc.size(0), in = xc.size(1), out = wc.size(0), padded = (in + 63) / 64 * 64;
+  at::Tensor y = at::empty({rows, out}, xc.options());
+  if (rows == 0 || out == 0) return y;
+  std::vector<int8_t> q(static_cast<size_t>(rows * padded));
+  std::vector<int32_t> qsum(static_cast<size_t>(rows));
+  minigpt_w8a8::quantize(xc.data_ptr<float>(), rows, in, padded, q.data(), qsum.data());
+  const int8_t* w = wc.data_ptr<int8_t>();
+  const float* s = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (out + 15) / 16, 1, [&](int64_t begin, int64_t end) {  // in units of 16 rows
+    minigpt_w8a8::product(q.data(), qsum.data(), rows, padded, w, in, s, begin * 16, std::min(out, end * 16), yp,
+                          out);
+  });
+  return y;
+}
+
+// minigpt::w8a8_mm(x, weight): the rows of x (already divided by their scale) times the int8 matrix, as the Python
+// implementation in minigpt/infer/fastpath/library.py computes it: up to kOwnRows rows through MiniGPT's kernel
+// where the CPU has VNNI, more through FBGEMM's packed copy where there is one (it blocks the rows), the same bits.
 at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& weight) {
   std::vector<Packed> blocks;
+  at::Tensor scale;
   {
     std::lock_guard<std::mutex> lock(packed_mutex);
     auto it = packed_weights.find(weight.data_ptr());
@@ -77,7 +112,11 @@ at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& weight) {
     TORCH_CHECK(weight.dim() == 2 && it->second.rows == weight.size(0) && it->second.cols == weight.size(1),
                 "minigpt::w8a8_mm: the packed copy at this address is of another matrix");
     blocks = it->second.blocks;
+    scale = it->second.scale;
   }
+  if (minigpt_w8a8::available() && (blocks.empty() || x.size(0) <= kOwnRows))
+    return own_mm(x, weight, scale);
+  TORCH_CHECK(!blocks.empty(), "minigpt::w8a8_mm: this int8 matrix has no packed copy for FBGEMM");
   if (blocks.size() == 1) return blocks[0]->apply_with_input_q_dq_qweight_dq_output_fp32(x, 1.0, 128);
   // Every output is its own row's dot product: blocks of rows give the whole product's numbers.
   std::vector<at::Tensor> parts;
@@ -88,15 +127,20 @@ at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& weight) {
 // minigpt::w8a8_adopt(address, rows, cols, packed) / w8a8_forget(address): a Python process hands over the copies
 // it packed itself (minigpt/infer/fastpath/library.py, which also needs them for its eager products) and withdraws
 // one when its matrix is freed.
-void w8a8_adopt(int64_t address, int64_t rows, int64_t cols, const Packed& packed) {
+void w8a8_adopt(int64_t address, int64_t rows, int64_t cols, const Packed& packed, const at::Tensor& scale) {
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == rows, "minigpt::w8a8_adopt: scale must be [", rows, "]");
   std::lock_guard<std::mutex> lock(packed_mutex);
-  packed_weights[reinterpret_cast<const void*>(address)] = PackedMatrix{{packed}, rows, cols};
+  packed_weights[reinterpret_cast<const void*>(address)] =
+      PackedMatrix{{packed}, scale.to(at::kFloat).contiguous(), rows, cols};
 }
 
 void w8a8_forget(int64_t address) {
   std::lock_guard<std::mutex> lock(packed_mutex);
   packed_weights.erase(reinterpret_cast<const void*>(address));
 }
+
+// minigpt::w8a8_isa(): which kernel takes calls of up to kOwnRows rows, "avx512_vnni" (MiniGPT's) or "fbgemm".
+std::string w8a8_isa() { return minigpt_w8a8::available() ? "avx512_vnni" : "fbgemm"; }
 
 // Define the op unless this process has (a Python process that imported MiniGPT's fast path defines it, with its
 // shape function for tracing) and give it this C++ kernel; refused where the op has a CPU kernel already (the
@@ -115,9 +159,10 @@ void register_w8a8_op() {
                                                      __LINE__);
   if (!op.has_value()) definition->def("w8a8_mm(Tensor x, Tensor weight) -> Tensor");
   definition->def("w8a8_adopt(int address, int rows, int cols, "
-                  "__torch__.torch.classes.quantized.LinearPackedParamsBase packed) -> ()",
+                  "__torch__.torch.classes.quantized.LinearPackedParamsBase packed, Tensor scale) -> ()",
                   TORCH_FN(w8a8_adopt));
   definition->def("w8a8_forget(int address) -> ()", TORCH_FN(w8a8_forget));
+  definition->def("w8a8_isa() -> str", TORCH_FN(w8a8_isa));
   auto implementation = std::make_unique<torch::Library>(torch::Library::IMPL, "minigpt", c10::DispatchKey::CPU,
                                                          __FILE__, __LINE__);
   implementation->impl("w8a8_mm", TORCH_FN(w8a8_mm));
@@ -214,9 +259,10 @@ void load_bundle(Runner& r, const std::string& dir) {
   if (!index.eof()) throw std::runtime_error("tensors.txt: unreadable line after " + name);
 }
 
-// Pack the matrices w8a8.txt names for FBGEMM on `threads` threads. FBGEMM packs a matrix on one core at ~0.1-0.2
-// GB/s (measured: SmolLM-135M's 28 MB int8 LM head 0.31-0.34 s), so matrices of kSplitRows rows or more are packed
-// in one block of rows per thread.
+// Enter the matrices w8a8.txt names for the op. The runner's steps multiply one row at a time, which MiniGPT's
+// kernel does from the mapped matrix itself where the CPU has VNNI: nothing to pack. Elsewhere they are packed for
+// FBGEMM on `threads` threads; FBGEMM packs a matrix on one core at ~0.1-0.2 GB/s (measured: SmolLM-135M's 28 MB
+// int8 LM head 0.31-0.34 s), so matrices of kSplitRows rows or more are packed in one block of rows per thread.
 void pack_w8a8(Runner& r, const std::string& dir, int threads) {
   std::ifstream list(dir + "/w8a8.txt");
   if (!list) return;
@@ -226,6 +272,7 @@ void pack_w8a8(Runner& r, const std::string& dir, int threads) {
     size_t block;
     int64_t rows;  // of the whole matrix
     at::Tensor weight, scale;
+    std::string scale_name;
   };
   std::vector<Item> todo;
   std::unordered_map<const void*, size_t> n_blocks;
@@ -236,11 +283,18 @@ void pack_w8a8(Runner& r, const std::string& dir, int threads) {
         w->second.dim() != 2 || s->second.dim() != 1 || s->second.size(0) != w->second.size(0))
       throw std::runtime_error("w8a8.txt: " + weight + " / " + scale + " is not an int8 matrix and its row scales");
     const at::Tensor& wt = w->second;
+    if (minigpt_w8a8::available()) {
+      register_w8a8_op();
+      std::lock_guard<std::mutex> lock(packed_mutex);
+      packed_weights[wt.data_ptr()] = PackedMatrix{{}, s->second.to(at::kFloat).contiguous(), wt.size(0), wt.size(1)};
+      r.packed.push_back(wt.data_ptr());
+      continue;
+    }
     int64_t rows = wt.size(0), blocks = rows >= kSplitRows ? n : 1, step = (rows + blocks - 1) / blocks;
     size_t made = 0;
     for (int64_t start = 0; start < rows; start += step, ++made) {
       int64_t len = std::min(step, rows - start);
-      todo.push_back({wt.data_ptr(), made, rows, wt.narrow(0, start, len), s->second.narrow(0, start, len)});
+      todo.push_back({wt.data_ptr(), made, rows, wt.narrow(0, start, len), s->second.narrow(0, start, len), scale});
     }
     n_blocks[wt.data_ptr()] = made;
   }
@@ -286,6 +340,7 @@ void pack_w8a8(Runner& r, const std::string& dir, int threads) {
     auto& matrix = packed_weights[todo[i].key];
     if (matrix.blocks.empty()) {
       matrix.blocks.resize(n_blocks[todo[i].key]);
+      matrix.scale = r.constants.at(todo[i].scale_name).to(at::kFloat).contiguous();
       matrix.rows = todo[i].rows;
       matrix.cols = todo[i].weight.size(1);
       r.packed.push_back(todo[i].key);

@@ -98,12 +98,39 @@ def test_the_ops_kernel_is_the_runner_librarys_and_computes_what_the_python_one_
         x = torch.randn(rows, 96) * 20
         assert torch.equal(torch.ops.minigpt.w8a8_mm(x, p.weight), library._w8a8_mm(x, p.weight))
     key = library._packed_key(p.weight)
-    torch.ops.minigpt.w8a8_adopt(key[0], 49, 96, p.w8a8)
+    torch.ops.minigpt.w8a8_adopt(key[0], 49, 96, p.w8a8, torch.ones(49))
     with pytest.raises(RuntimeError, match="of another matrix"):
         torch.ops.minigpt.w8a8_mm(torch.randn(1, 96), p.weight)
     library._forget(key)
     with pytest.raises(RuntimeError, match="no packed copy"):
         torch.ops.minigpt.w8a8_mm(torch.randn(1, 96), p.weight)
+
+
+# Activations at FBGEMM's rounding quirk (it rounds x + 128 to float32 before rounding to an integer: 1.4999999 gives
+# 2, not 1), at ties, past the int8 range and not finite.
+SPECIAL = [1.4999999, -2.4999998, 0.49999997, 2.5, -0.5, 127.4, -128.6, 300.0, -300.0, float("nan"), float("inf"),
+           -float("inf")]
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler for the runner library")
+@pytest.mark.parametrize("shape", [(1, 1), (48, 96), (130, 577), (192, 576)])
+def test_decode_rows_take_minigpts_kernel_with_fbgemms_bits(shape):
+    """Up to 4 rows go through MiniGPT's own kernel (minigpt/infer/w8a8_kernel.cpp), which reads the int8 matrix
+    where it lies, so the native runner packs nothing when it opens a bundle; its numbers are FBGEMM's to the bit,
+    the quirks of FBGEMM's quantizer included (a kernel that rounds x itself fails on SPECIAL's first values)."""
+    assert library.w8a8_kernel() == "c++"
+    assert torch.ops.minigpt.w8a8_isa() == "avx512_vnni"  # w8a8_available (this module's skip) requires VNNI
+    out, n_in = shape
+    torch.manual_seed(out)
+    p = Proj(*quantize_weight(torch.randn(out, n_in)), None)
+    assert w8a8_layout(p)
+    for rows in (1, 2, 3, 4, 5):  # 5: FBGEMM's packed copy, through the same op
+        x = torch.randn(rows, n_in) * 40
+        flat = x.view(-1)
+        flat[:len(SPECIAL)] = torch.tensor(SPECIAL)[:flat.numel()]
+        got = torch.ops.minigpt.w8a8_mm(x, p.weight)
+        assert got.isfinite().all()  # the NaN and infinities are clipped to the int8 range, as FBGEMM clips them
+        assert torch.equal(got, library._w8a8_mm(x, p.weight)), rows
 
 
 FALLBACK = """

@@ -140,9 +140,9 @@ def w8a8_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines and "avx512_vnni" in cpu_flags()
 
 
-# FBGEMM's prepacked weights, keyed by their int8 matrix's (address, shape): the compiled step passes the matrix to
-# the `minigpt::w8a8_mm` op, which finds its packed copy here (Inductor cannot trace the packed object itself).
-_PACKED: dict[tuple[int, tuple[int, ...]], Any] = {}
+# FBGEMM's prepacked weights and the row scales, keyed by their int8 matrix's (address, shape): the compiled step
+# passes the matrix to the `minigpt::w8a8_mm` op, which finds them here (Inductor cannot trace the packed object).
+_PACKED: dict[tuple[int, tuple[int, ...]], tuple[Any, torch.Tensor]] = {}
 _KERNEL: list[str] = []  # the op's CPU kernel once w8a8_kernel has registered it: ["c++"] or ["python"]
 _KERNEL_LOCK = threading.RLock()  # held while either changes (re-entrant: a finalizer may run inside)
 
@@ -191,9 +191,9 @@ def w8a8_layouts(projections: list[Proj]) -> list[bool]:
     with _KERNEL_LOCK:
         for p, pk in zip(todo, packed):
             key = _packed_key(p.weight)
-            _PACKED[key] = pk
+            _PACKED[key] = pk, p.scale
             if _KERNEL == ["c++"]:
-                torch.ops.minigpt.w8a8_adopt(key[0], *key[1], pk)
+                torch.ops.minigpt.w8a8_adopt(key[0], *key[1], pk, p.scale)
             # freed memory may be reused by another matrix; at exit nothing is reused (and the ops may be gone)
             weakref.finalize(p.weight, _forget, key).atexit = False
             p.w8a8 = pk
@@ -207,8 +207,10 @@ def w8a8_linear(p: Proj, x: torch.Tensor) -> torch.Tensor:
 
     Each row of ``x`` is quantized on its own, symmetric: ``s = max|x| / 127``, ``q = round(x / s)`` in -127..127
     (passed to FBGEMM as ``x / s`` with scale 1 and zero point 128, so that a row's result never depends on the
-    other rows of a batch); ``y = s * w_scale * sum(q * w) (+ bias)``, the sum exact in int32 (FBGEMM,
-    ``quantized::linear_with_input_q_dq_qweight_dq_output_fp32``). llama.cpp likewise rounds activations to 8 bits
+    other rows of a batch; FBGEMM rounds ``x / s + 128`` to float32 first, so a value within float32 rounding of a
+    half may land on the other integer); ``y = s * w_scale * sum(q * w) (+ bias)``, the sum exact in int32 (FBGEMM,
+    ``quantized::linear_with_input_q_dq_qweight_dq_output_fp32``; compiled steps of up to 4 rows: MiniGPT's own
+    kernel, ``minigpt/infer/w8a8_kernel.cpp``, the same bits). llama.cpp likewise rounds activations to 8 bits
     (blocks of 32, ``Q8_0``) for its integer dot products. Measured on stories260K (a real checkpoint, dim 64), every
     int8 projection and the head through it: next-token loss on 511 TinyStories tokens 1.3140 nats against 1.3112
     for fp32 and 1.3100 for ATen's bf16-activation kernel; 200 greedy tokens from BOS equal fp32's up to token 61,
@@ -235,10 +237,10 @@ _W8A8_MM = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
 
 
 def _w8a8_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    packed = _PACKED.get(_packed_key(weight))
-    if packed is None:
+    entry = _PACKED.get(_packed_key(weight))
+    if entry is None:
         raise RuntimeError("minigpt::w8a8_mm: this int8 matrix has no packed copy (w8a8_layout was not called on it)")
-    return _W8A8_MM(x, 1.0, 128, packed)
+    return _W8A8_MM(x, 1.0, 128, entry[0])
 
 
 _LIB.impl("w8a8_mm", _w8a8_mm, "CompositeExplicitAutograd")
@@ -310,8 +312,8 @@ def w8a8_kernel() -> str:
             if directory is None:
                 raise RuntimeError("the compile cache is off ($MINIGPT_COMPILE_CACHE), where its library is built")
             install_w8a8_kernel(build_runner(directory))
-            for key, packed in list(_PACKED.items()):
-                torch.ops.minigpt.w8a8_adopt(key[0], *key[1], packed)
+            for key, (packed, scale) in list(_PACKED.items()):
+                torch.ops.minigpt.w8a8_adopt(key[0], *key[1], packed, scale)
             _KERNEL.append("c++")
         except (OSError, RuntimeError, NativeError) as e:  # NativeError is a RuntimeError; named for the reader
             # the Python kernel for CPU too: a runner library loaded later then refuses to take over
