@@ -254,9 +254,9 @@ def _forget(key: tuple[int, tuple[int, ...]]) -> None:
 
 
 def build_runner(directory: Path) -> Path:
-    """The runner library (``minigpt/infer/native_runner.cpp`` and ``q4_kernel.cpp`` against this torch's headers
-    and libraries) in ``directory``, built when absent (a C++17 compiler: ``$CXX`` or ``c++``; the two sources
-    compiled side by side, ~25 s on 2 cores) and written atomically. It is both the native launcher's runner and
+    """The runner library (``minigpt/infer/native_runner.cpp``, ``q4_kernel.cpp`` and ``w8a8_kernel.cpp`` against
+    this torch's headers and libraries) in ``directory``, built when absent (a C++17 compiler: ``$CXX`` or ``c++``;
+    the sources compiled side by side, ~25 s on 2 cores) and written atomically. It is both the native launcher's runner and
     this module's C++ kernels of ``minigpt::w8a8_mm`` and ``minigpt::q4_mm``. Raises ``RuntimeError`` with the
     compiler's last lines when the build fails."""
     path = directory / f"runner-{runner_digest()}.so"
