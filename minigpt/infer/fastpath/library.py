@@ -302,8 +302,9 @@ def w8a8_kernel() -> str:
 
     Why C++: a compiled step (an AOTInductor package or ``torch.compile``'s code) calls the op ~120 times a token at
     135M, and a Python kernel makes each call a round trip into the interpreter: int8 decode 58-65 against 88-98
-    tokens/s with the C++ kernel, same tokens (2-core Xeon model 207, docs/benchmarks.md). Both kernels call the
-    same FBGEMM function on the same packed copies, so the numbers are identical."""
+    tokens/s with the C++ kernel, same tokens (2-core Xeon model 207, docs/benchmarks.md). The C++ kernel sends
+    calls of up to 4 rows to MiniGPT's own int8 kernel (``minigpt/infer/w8a8_kernel.cpp``, FBGEMM's bits, tested)
+    and the rest to the same FBGEMM function on the same packed copies, so the numbers are identical."""
     with _KERNEL_LOCK:
         if _KERNEL:
             return _KERNEL[0]
