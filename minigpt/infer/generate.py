@@ -50,6 +50,8 @@ def generate_tokens(
     (:func:`~minigpt.infer.sampling.check_token_ids`).
 
     Per step the only host synchronisation is reading the sampled token (to yield it and test ``stop_ids``).
+    Plain greedy decoding (temperature 0, nothing adjusting the logits) of a
+    :class:`~minigpt.infer.fastpath.FastPath` takes its tokens from :meth:`~minigpt.infer.fastpath.FastPath.decode_next`.
     """
     device = model_device(model)
     max_tokens = params.max_tokens
@@ -63,15 +65,21 @@ def generate_tokens(
     logits = prefill(model, x, cache)
     pos = len(prompt)
     out: list[int] = []  # for the penalties (process_logits: the same tensor back when none is asked)
+    # Plain greedy needs the argmax only, which FastPath.decode_next finds without the full logits.
+    argmax_only = params.greedy and not params.adjusts_logits and hasattr(model, "decode_next")
+    token = sample(process_logits(logits, [params], [prompt], [out]), params, generator)
     for i in range(max_tokens):
-        token = sample(process_logits(logits, [params], [prompt], [out]), params, generator)
         t = int(token.item())
         if t in stop:
             return
         out.append(t)
         yield t
         if i + 1 < max_tokens:
-            logits = decode_step(model, token.view(1, 1), pos, cache)
+            if argmax_only:
+                token = model.decode_next(token.view(1, 1), pos, cache)
+            else:
+                logits = decode_step(model, token.view(1, 1), pos, cache)
+                token = sample(process_logits(logits, [params], [prompt], [out]), params, generator)
             pos += 1
 
 

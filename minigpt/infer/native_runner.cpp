@@ -349,6 +349,15 @@ void pack_w8a8(Runner& r, const std::string& dir, int threads) {
   }
 }
 
+
+// The greedy step's head screen could not certify its token (minigpt/infer/fastpath/screen.py): the argmax of
+// the full float32 logits of the hidden state `h` [1, 1, dim] it returned.
+int64_t screen_fallback(const Runner& r, const at::Tensor& h) {
+  auto it = r.constants.find("head_weight");
+  if (it == r.constants.end()) throw std::runtime_error("the bundle has no head_weight for the screen's fallback");
+  return at::mv(it->second.to(at::kFloat), h.reshape({-1}).to(at::kFloat)).argmax().item<int64_t>();
+}
+
 }  // namespace
 
 extern "C" {
@@ -409,7 +418,9 @@ long mg_generate(void* handle, const int64_t* prompt, long n_prompt, long max_ne
         v[i].narrow(2, p, 1).copy_(out[1 + r->n_layers + i]);
       }
       if (p < n_prompt - 1) continue;
-      next = out[0].reshape({-1}).argmax().item<int64_t>();
+      next = out[0].scalar_type() == at::kLong ? out[0].reshape({-1})[0].item<int64_t>()  // a greedy step's token
+                                               : out[0].reshape({-1}).argmax().item<int64_t>();
+      if (next < 0) next = screen_fallback(*r, out.back());
       ++produced;
       bool stop = on_token != nullptr && on_token(next) != 0;
       for (long s = 0; s < n_stop && !stop; ++s) stop = stop_ids[s] == next;

@@ -84,37 +84,48 @@ def test_no_bundle_means_the_ordinary_command(tiny_data, tmp_path, monkeypatch):
     assert quick.run(["generate", str(model), "--prompt", "a", "--temperature", "0", "--compile"]) is None
 
 
-def _greedy_through_the_step(fp, prompt: list[int], n: int) -> list[int]:
-    """The compiled step fed a token at a time, prompt included, as the native runner does."""
+def _greedy_through_the_step(fp, prompt: list[int], n: int, screened: bool = False) -> list[int]:
+    """The compiled step fed a token at a time, prompt included, as the native runner does (``screened``: the
+    greedy step through the head's int8 screen, FastPath.decode_next)."""
     cache = fp.new_kv_cache(1, len(prompt) + n)
     out = []
     with torch.inference_mode():
         for pos, token in enumerate(prompt + [None] * (n - 1)):
             token = out[-1] if token is None else token
-            logits = fp.decode_step(torch.tensor([[token]]), pos, cache)
+            if screened:
+                nxt = int(fp.decode_next(torch.tensor([[token]]), pos, cache)[0])
+            else:
+                nxt = int(fp.decode_step(torch.tensor([[token]]), pos, cache).argmax())
             if pos >= len(prompt) - 1:
-                out.append(int(logits.argmax()))
+                out.append(nxt)
     return out
 
 
 @pytest.mark.slow  # compiles a package and builds the runner, ~40 s
-@pytest.mark.parametrize("quantize", [None, "int4", "int8"])
+@pytest.mark.parametrize("quantize, screened", [(None, False), (None, True), ("int4", False), ("int8", False)])
 def test_the_runner_gives_the_compiled_steps_tokens_and_refuses_a_truncated_bundle(tiny_data, tmp_path, monkeypatch,
-                                                                                   quantize):
+                                                                                   quantize, screened):
     """In this process too (a Python one, whose compiled int8/int4 steps made the runner library's C++ function
     the kernel of `minigpt::w8a8_mm`, sharing its table of packed matrices): the runner gives the compiled step's
-    tokens, for models whose step multiplies through FBGEMM as well (before, those were refused here)."""
+    tokens, for models whose step multiplies through FBGEMM as well (before, those were refused here), and for
+    the greedy step whose package returns tokens (the fp32 head read through its int8 screen, where VNNI is)."""
     monkeypatch.setenv(launcher.ENV, str(tmp_path / "cache"))
     model = _model_dir(tiny_data, tmp_path / "m")
     fp = load_for_inference(model, quantize=quantize, compile=True, aoti=True)
+    if screened and fp.screen is None:
+        pytest.skip("no int8 screen of the head on this CPU (it needs AVX512-VNNI)")
     prompt = [5, 17, 3, 22, 9]
-    want = _greedy_through_the_step(fp, prompt, 20)
+    want = _greedy_through_the_step(fp, prompt, 20, screened)
     assert fp.compile_sources == {"aoti-saved": 1}
+    if screened:  # the argmax of the logits, here from the eager forward (a second package would be a second step)
+        assert want == _greedy_through_the_step(load_for_inference(model, compile=False), prompt, 20)
     bundle = write_bundle(fp, model, "float32", quantize, 1, False, [])
     manifest = launcher.read_manifest(launcher.launch_key(model, "float32", quantize, 1))
     assert manifest is not None and Path(manifest["bundle"]) == bundle
     files = Path(manifest["runner"]), Path(manifest["package"]), bundle
-    assert bool((bundle / "w8a8.txt").read_text()) == (quantize is not None and w8a8_available())
+    # int8 matrices the runner enters for `minigpt::w8a8_mm`: an int8 model's, or the screen of a float head
+    assert bool((bundle / "w8a8.txt").read_text()) == ((quantize is not None or fp.screen is not None)
+                                                       and w8a8_available())
     with launcher.NativeRunner(*files, threads=1) as runner:
         got = runner.generate(prompt, 20, cache_len=launcher.cache_length(25, manifest["positions"]))
         assert got == want and len(set(want)) > 5

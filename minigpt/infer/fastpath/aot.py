@@ -59,14 +59,17 @@ def _tensor_signature(t: Any, any_length: bool = False) -> str:
     return f"{t.dtype}{tuple(t.shape)}{strides}{t.device.type}{t.layout}"
 
 
-def step_key(fp, batch: int, seq: int, cache_len: Optional[int], args: tuple = ()) -> str:
+def step_key(fp, batch: int, seq: int, cache_len: Optional[int], args: tuple = (), greedy: bool = False) -> str:
     """The file name (hex sha256) of the step of FastPath ``fp`` for ``[batch, seq]`` new tokens and a cache of
     ``cache_len`` columns (None: any length, the key of an AOTInductor package, exported with the length
     dynamic), under the current grad / inference mode; ``args``: the step's example arguments, whose dtypes and
-    strides it also covers (a cache of another dtype, say)."""
+    strides it also covers (a cache of another dtype, say); ``greedy``: the screened greedy step
+    (:func:`~minigpt.infer.fastpath.step.static_greedy_step`)."""
     parts: list[Any] = [torch.__version__, sys.version_info[:2], _source_digest(), _isa(), fp.compile_mode,
                         repr(fp.geometry), batch, seq, cache_len, torch.is_grad_enabled(),
                         torch.is_inference_mode_enabled(), torch.get_num_threads()]
+    if greedy:  # appended only then: the keys of existing logits steps stay valid
+        parts.append(("greedy", _tensor_signature(fp.screen.proj.weight)))
     projections = [fp.head] + [q for lw in fp.layers for q in (lw.wqkv, lw.wo, lw.w13, lw.w2)]
     parts += [_tensor_signature(t) for t in (fp.embedding, fp.final_norm, fp.cos, fp.sin_signed)]
     parts += [(fp.final_eps,) + tuple((lw.attn_norm_eps, lw.ffn_norm_eps, _tensor_signature(lw.attn_norm))
@@ -94,34 +97,35 @@ def load_step(path: Path) -> Callable:
         return torch.compiler.load_compiled_function(f)
 
 
-def cached_step(fp, example_args: tuple, directory: Optional[Path | bool] = None, aoti: bool = False
-                ) -> tuple[Callable, str]:
+def cached_step(fp, example_args: tuple, directory: Optional[Path | bool] = None, aoti: bool = False,
+                greedy: bool = False) -> tuple[Callable, str]:
     """The compiled step of FastPath ``fp`` for the shapes of ``example_args`` (``token``, ``input_pos``, ``pad``,
     ``k_cache``, ``v_cache``, as :func:`~minigpt.infer.fastpath.step.static_step` takes them), bound to ``fp``,
     and where it came from: ``"loaded"`` (a saved step), ``"saved"`` (compiled ahead of time now and saved),
     ``"jit"`` (the ordinary ``torch.compile``: cache off, or the AOT path failed); with ``aoti``, first an
     AOTInductor package (:mod:`~minigpt.infer.fastpath.aoti`, CPU): ``"aoti-loaded"`` or ``"aoti-saved"``, and
     when packaging fails (one warning) the saved step as above. Never raises for a bad cache.
-    ``directory``: None = :func:`cache_dir`, False = no cache (``"jit"``)."""
+    ``directory``: None = :func:`cache_dir`, False = no cache (``"jit"``). ``greedy``: the screened greedy step
+    (:func:`~minigpt.infer.fastpath.step.static_greedy_step`) instead of the logits one."""
     directory = cache_dir() if directory is None else (None if directory is False else Path(directory))
     token, _, _, k_cache, _ = example_args
     if directory is None:
-        return compile_step(fp, fp.compile_mode), "jit"
+        return compile_step(fp, fp.compile_mode, greedy=greedy), "jit"
     if aoti and token.device.type == "cpu":
-        package = directory / f"{step_key(fp, token.shape[0], token.shape[1], None, example_args)}{SUFFIX}"
-        packaged = _packaged_step(fp, example_args, directory, package)
+        package = directory / f"{step_key(fp, token.shape[0], token.shape[1], None, example_args, greedy)}{SUFFIX}"
+        packaged = _packaged_step(fp, example_args, directory, package, greedy)
         if packaged is not None:
             return packaged
-    key = step_key(fp, token.shape[0], token.shape[1], k_cache[0].shape[2], example_args)
+    key = step_key(fp, token.shape[0], token.shape[1], k_cache[0].shape[2], example_args, greedy)
     path = directory / f"{key}.step"
     step = _load_saved(path, lambda p: _bound(load_step(p), fp))
     if step is not None:
         return step, "loaded"
     try:
-        compiled = compile_step(fp, fp.compile_mode, serializable=True).aot_compile((example_args, {}))
+        compiled = compile_step(fp, fp.compile_mode, serializable=True, greedy=greedy).aot_compile((example_args, {}))
     except Exception as e:  # the API is experimental: fall back to the ordinary compile
         _warn(f"ahead-of-time compilation failed ({type(e).__name__}: {str(e)[:200]}); using torch.compile")
-        return compile_step(fp, fp.compile_mode), "jit"
+        return compile_step(fp, fp.compile_mode, greedy=greedy), "jit"
     try:
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         compiled.save_compiled_function(str(path))  # torch writes it atomically (temporary file + rename)
@@ -144,7 +148,8 @@ def _load_saved(path: Path, load: Callable[[Path], Callable]) -> Optional[Callab
         return None
 
 
-def _packaged_step(fp, example_args: tuple, directory: Path, path: Path) -> Optional[tuple[Callable, str]]:
+def _packaged_step(fp, example_args: tuple, directory: Path, path: Path, greedy: bool = False
+                   ) -> Optional[tuple[Callable, str]]:
     """The AOTInductor step at ``path``, loaded, or compiled and saved there first; None (after one warning) when
     packaging fails. A file that cannot be trusted or loaded is compiled again and replaced. A package ``fp``
     already loaded (for another cache length: one package serves them all) is reused, not loaded again."""
@@ -155,7 +160,7 @@ def _packaged_step(fp, example_args: tuple, directory: Path, path: Path) -> Opti
     if step is None:
         try:
             directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-            export_package(fp, example_args, path)
+            export_package(fp, example_args, path, greedy)
             step, source = PackagedStep(path, fp), "aoti-saved"
         except Exception as e:  # export and AOTInductor are young: the torch.compile step still works
             _warn(f"packaging the compiled step with AOTInductor failed ({type(e).__name__}: {str(e)[:200]}); "

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from minigpt.infer.fastpath.kernels import LayerWeights, Proj
-from minigpt.infer.fastpath.step import static_step
+from minigpt.infer.fastpath.step import static_greedy_step, static_step
 
 SUFFIX = ".pt2"
 _SLOTS = ("weight", "scale", "bias", "words", "word_scale")  # Proj's tensors (w8a8 is FBGEMM's packed object)
@@ -50,12 +50,15 @@ def step_projections(fp) -> dict:
     projections = {"head": fp.head}
     for i, lw in enumerate(fp.layers):
         projections.update({f"l{i}_{name}": getattr(lw, name) for name in _PROJECTIONS})
+    if getattr(fp, "screen", None) is not None:  # the head's int8 screen (greedy steps)
+        projections["screen"] = fp.screen.proj
     return projections
 
 
 def step_tensors(fp) -> dict[str, torch.Tensor]:
-    """Every tensor the compiled step of FastPath ``fp`` reads, by a stable name (``embedding``, ``cos``,
-    ``head_weight``, ``l0_attn_norm``, ``l0_wqkv_words``, ...): the package's constants. A projection's ``weight``
+    """Every tensor the compiled steps of FastPath ``fp`` read, by a stable name (``embedding``, ``cos``,
+    ``head_weight``, ``l0_attn_norm``, ``l0_wqkv_words``, ..., and for the greedy step ``screen_weight``,
+    ``screen_scale``, ``screen_bound``, ``screen_spread``): the packages' constants. A projection's ``weight``
     is left out when its ``words`` replace it (the step reads one or the other, see ``step._proj_args``)."""
     named = {"embedding": fp.embedding, "final_norm": fp.final_norm, "cos": fp.cos, "sin_signed": fp.sin_signed}
     for i, lw in enumerate(fp.layers):
@@ -65,17 +68,21 @@ def step_tensors(fp) -> dict[str, torch.Tensor]:
             t = getattr(p, slot)
             if t is not None and not (slot == "weight" and p.words is not None):
                 named[f"{prefix}_{slot}"] = t
+    if getattr(fp, "screen", None) is not None:
+        named["screen_bound"], named["screen_spread"] = fp.screen.bound, fp.screen.spread
     return named
 
 
 class StepModule(nn.Module):
     """:func:`~minigpt.infer.fastpath.step.static_step` of FastPath ``fp`` as a module whose buffers are
     :func:`step_tensors` (not copies): what ``torch.export`` traces. ``forward(token [batch, seq], input_pos [1],
-    pad [batch], k_cache, v_cache)`` -> ``(logits [batch, seq, vocab], new_k, new_v)``, per-layer lists as there."""
+    pad [batch], k_cache, v_cache)`` -> ``(logits [batch, seq, vocab], new_k, new_v)``, per-layer lists as there;
+    with ``greedy``, :func:`~minigpt.infer.fastpath.step.static_greedy_step`'s ``(next, new_k, new_v, h)``."""
 
-    def __init__(self, fp) -> None:
+    def __init__(self, fp, greedy: bool = False) -> None:
         super().__init__()
         self.__dict__["fp"] = fp  # not a submodule: only the step's structure (eps, geometry) is read from it
+        self.greedy = greedy
         for name, t in step_tensors(fp).items():
             self.register_buffer(name, t, persistent=False)
 
@@ -91,6 +98,10 @@ class StepModule(nn.Module):
         view = types.SimpleNamespace(embedding=self.embedding, final_norm=self.final_norm, cos=self.cos,
                                      sin_signed=self.sin_signed, final_eps=fp.final_eps, geometry=fp.geometry,
                                      head=self._proj("head"), layers=layers)
+        if self.greedy:
+            view.screen = types.SimpleNamespace(proj=self._proj("screen"), bound=self.screen_bound,
+                                                spread=self.screen_spread)
+            return static_greedy_step(view, token, input_pos, pad, k_cache, v_cache)
         return static_step(view, token, input_pos, pad, k_cache, v_cache)
 
 
@@ -128,8 +139,8 @@ def _any_cache_length(example_args: tuple) -> dict:
             "v_cache": [{2: length}] * len(v_cache)}
 
 
-def export_package(fp, example_args: tuple, path: Path) -> None:
-    """Export the step of FastPath ``fp`` for the shapes of ``example_args`` (``token``, ``input_pos``, ``pad``,
+def export_package(fp, example_args: tuple, path: Path, greedy: bool = False) -> None:
+    """Export the step (``greedy``: the screened greedy step) of FastPath ``fp`` for the shapes of ``example_args`` (``token``, ``input_pos``, ``pad``,
     ``k_cache``, ``v_cache``), the cache length left dynamic (:func:`_any_cache_length`), and compile it into an
     AOTInductor package at ``path``, written to a temporary file and renamed (readable by this user only); stale
     temporary files of killed compiles are removed first (:func:`remove_stale_partials`). Raises whatever export
@@ -146,7 +157,7 @@ def export_package(fp, example_args: tuple, path: Path) -> None:
         # while exporting and packaging: nothing a user of the package can act on.
         with torch.no_grad(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
-            exported = torch.export.export(StepModule(fp), example_args, dynamic_shapes=_any_cache_length(example_args),
+            exported = torch.export.export(StepModule(fp, greedy), example_args, dynamic_shapes=_any_cache_length(example_args),
                                            strict=False)
             torch._inductor.aoti_compile_and_package(exported, package_path=tmp, inductor_configs=configs)
         os.chmod(tmp, 0o600)
@@ -158,7 +169,8 @@ def export_package(fp, example_args: tuple, path: Path) -> None:
 
 class PackagedStep:
     """A step package (:func:`export_package`) bound to the tensors of FastPath ``fp``: called like the compiled
-    step, ``(token, input_pos, pad, k_cache, v_cache) -> (logits, new_k, new_v)``. Raises ``ValueError`` when the
+    step, ``(token, input_pos, pad, k_cache, v_cache) -> (logits, new_k, new_v)`` (a greedy step: ``(next, new_k,
+    new_v, h)``). Raises ``ValueError`` when the
     package names a tensor ``fp`` does not have (a package of another structure), else whatever the loader raises
     for an unreadable file."""
 
@@ -177,5 +189,5 @@ class PackagedStep:
     def __call__(self, token, input_pos, pad, k_cache: list, v_cache: list):
         out = self.loader.boxed_run([token, input_pos, pad, *k_cache, *v_cache])
         n = self.n_layers
-        return out[0], out[1:1 + n], out[1 + n:]
+        return (out[0], out[1:1 + n], out[1 + n:1 + 2 * n], *out[1 + 2 * n:])
 

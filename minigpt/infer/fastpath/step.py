@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from minigpt.infer.fastpath.kernels import ACT_DTYPE, Proj, decode_linear
+from minigpt.infer.fastpath.screen import screened_argmax
 from minigpt.model.ffn import ffn_hidden
 from minigpt.model.norm import rms_norm
 from minigpt.model.rope import rope_rotate
@@ -37,11 +38,12 @@ class Geometry:
     head_w8a8: bool = False  # the LM head does
 
 
-def compile_step(fp, compile_mode: Optional[str], serializable: bool = False) -> Callable:
+def compile_step(fp, compile_mode: Optional[str], serializable: bool = False, greedy: bool = False) -> Callable:
     """``torch.compile`` of :func:`static_step` bound to the FastPath ``fp``: ``(token, input_pos, pad, k_cache,
     v_cache) -> (logits, new_k, new_v)``, compiled on first call of each shape.
 
     ``compile_mode``: None (Inductor's default) or a mode name such as ``"max-autotune-no-cudagraphs"``.
+    ``greedy``: :func:`static_greedy_step` instead (tokens, not logits).
     ``serializable``: for ``.aot_compile`` (:mod:`minigpt.infer.fastpath.aot`): keep only the guards on global state
     (grad mode and the like), the ones a saved step can carry; its caller pins the shapes by the file's key."""
     # size_asserts off: the wrapper would re-check the size and stride of every tensor of every layer on each call
@@ -52,8 +54,8 @@ def compile_step(fp, compile_mode: Optional[str], serializable: bool = False) ->
         options.update(torch._inductor.list_mode_options(compile_mode))
     # A private copy of the step's code object: Dynamo caches compiled graphs per code object, so every FastPath
     # gets its own cache (and the guards dropped on `fp` cannot match another model's weights).
-    fresh = types.FunctionType(static_step.__code__.replace(), static_step.__globals__, static_step.__name__,
-                               static_step.__defaults__, static_step.__closure__)
+    fn = static_greedy_step if greedy else static_step
+    fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     return torch.compile(types.MethodType(fresh, fp), dynamic=False, fullgraph=True, options=options)
 
 
@@ -85,6 +87,24 @@ def static_step(fp, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Ten
     Returns ``(logits [batch, seq, vocab], new_k, new_v)``, the last two a list per layer of ``[batch, n_kv_heads,
     seq, head_dim]`` for the caller to write at columns ``pos .. pos + seq - 1``. The graph mutates nothing: with the cache write inside it, the nested compile regions below wrote garbage into
     the cache for models of more than one layer (torch 2.13; tests/test_compile.py covers it)."""
+    h, new_k, new_v = _trunk(fp, token, input_pos, pad, k_cache, v_cache)
+    h = rms_norm(h, fp.final_norm, fp.final_eps)
+    return decode_linear(fp.head, h, w8a8=fp.geometry.head_w8a8), new_k, new_v
+
+
+def static_greedy_step(fp, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Tensor,
+                       k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]):
+    """:func:`static_step` for greedy decoding through the head's int8 screen (``fp.screen``,
+    :mod:`~minigpt.infer.fastpath.screen`): returns ``(next [batch, seq] int64, new_k, new_v, h [batch, seq,
+    dim])``, ``next`` -1 where the screen could not certify the argmax (the caller computes it from ``h``)."""
+    h, new_k, new_v = _trunk(fp, token, input_pos, pad, k_cache, v_cache)
+    h = rms_norm(h, fp.final_norm, fp.final_eps)
+    sc = fp.screen
+    return screened_argmax(fp.head.weight, sc.proj, sc.bound, sc.spread, h), new_k, new_v, h
+
+
+def _trunk(fp, token, input_pos, pad, k_cache, v_cache):
+    """The layers of the step: ``(h [batch, seq, dim] before the final norm, new_k, new_v)``."""
     columns = torch.arange(k_cache[0].shape[2], device=token.device)
     # The cached columns a query sees: the row's own prefix, without the columns being written now (their keys
     # and values enter the attention directly, see step_layer).
@@ -102,8 +122,7 @@ def static_step(fp, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Ten
                              *_proj_args(lw.w2), g, lw.attn_norm_eps, lw.ffn_norm_eps)
         new_k.append(k)
         new_v.append(v)
-    h = rms_norm(h, fp.final_norm, fp.final_eps)
-    return decode_linear(fp.head, h, w8a8=fp.geometry.head_w8a8), new_k, new_v
+    return h, new_k, new_v
 
 
 def _proj_args(p: Proj) -> tuple:

@@ -34,6 +34,7 @@ from minigpt.infer.fastpath.library import (
     w8a8_layouts,
     w8a8_wanted,
 )
+from minigpt.infer.fastpath.screen import build_screen, resolve
 from minigpt.infer.fastpath.step import Geometry
 from minigpt.infer.kv_cache import LayerKVCache
 from minigpt.infer.launcher import CACHE_BUCKET
@@ -78,15 +79,17 @@ class FastPath(nn.Module):
     where compiled steps are saved and loaded by later runs (:mod:`minigpt.infer.fastpath.aot`; None: its default
     directory, False: compile in every process). ``aoti``: save and load the compiled steps as AOTInductor
     packages (:mod:`minigpt.infer.fastpath.aoti`; CPU; a longer first compile, then loads in milliseconds and no
-    Python wrapper per token), falling back to the saved ``torch.compile`` step when packaging fails. Raises
-    ``ValueError`` for an architecture the fast path does not compute (see :func:`supports`) only when
+    Python wrapper per token), falling back to the saved ``torch.compile`` step when packaging fails.
+    ``screen``: greedy steps (:meth:`decode_next`) of a compiled float model read the LM head through an int8
+    screen (:mod:`minigpt.infer.fastpath.screen`) where the int8 products run (VNNI); None: unless
+    ``$MINIGPT_HEAD_SCREEN`` is ``0``. Raises ``ValueError`` for an architecture the fast path does not compute (see :func:`supports`) only when
     ``strict``; otherwise such models run through their own forward.
     """
 
     def __init__(self, model: Transformer, fuse: bool = True, compile: bool = False,
                  compile_mode: Optional[str] = None, strict: bool = False,
                  compile_cache: Optional[Path | bool] = None, woq_kernel: Optional[str] = None,
-                 aoti: bool = False) -> None:
+                 aoti: bool = False, screen: Optional[bool] = None) -> None:
         super().__init__()
         # int8/int4 weights in the compiled step: library.WOQ_KERNELS; $MINIGPT_WOQ_KERNEL, else "auto"
         self.woq_kernel = woq_kernel or os.environ.get("MINIGPT_WOQ_KERNEL") or "auto"
@@ -103,14 +106,18 @@ class FastPath(nn.Module):
         self.compiled = compile and self.reason is None and fuse
         self.compile_mode = compile_mode
         self.compile_seconds = 0.0  # wall time spent compiling (first call of each new shape), seconds
-        # The compiled steps per (batch, seq, cache length, grad mode, inference mode): loaded from or saved to
-        # ``compile_cache`` (:mod:`minigpt.infer.fastpath.aot`; None: its default directory, False: never) when
-        # ahead-of-time compilation works, else the one torch.compile'd ``_step_fn``.
+        # The compiled steps per (batch, seq, cache length, grad mode, inference mode, greedy): loaded from or saved
+        # to ``compile_cache`` (:mod:`minigpt.infer.fastpath.aot`; None: its default directory, False: never) when
+        # ahead-of-time compilation works, else the torch.compile'd function of ``_step_fns``.
         self.compile_cache = compile_cache
         self.aoti = aoti  # turned off after a failed packaging (warned once), so that it is not retried per shape
         self.compile_sources: dict[str, int] = {}  # "loaded" / "saved" / "jit": how many steps came each way
         self._steps: dict[tuple, Callable] = {}
-        self._step_fn = None
+        self._step_fns: dict[bool, Callable] = {}  # by greedy: the torch.compile'd step once the cache is off
+        # Greedy steps through an int8 screen of a float head (screen.py): on by default where the int8 products
+        # run (VNNI); False or $MINIGPT_HEAD_SCREEN=0 turns it off.
+        self.screen = None
+        self._screen_wanted = os.environ.get("MINIGPT_HEAD_SCREEN", "1") != "0" if screen is None else screen
         # The AOTInductor packages loaded, by file: one serves every cache length of its (batch, seq).
         self.packages: dict = {}
         self._buffers_i64: dict[tuple, torch.Tensor] = {}
@@ -148,6 +155,9 @@ class FastPath(nn.Module):
         # step and in eager decode steps alike), else, compiled, read as float32 words (same memory)
         aten, w8a8 = aten_woq_wanted(self.woq_kernel), w8a8_wanted(self.woq_kernel)
         flat = [q for p in projections for q in (p if isinstance(p, list) else [p])]
+        self.screen = build_screen(self.head, self.compiled and w8a8 and self._screen_wanted)
+        if self.screen is not None and not w8a8_layouts([self.screen.proj])[0]:
+            self.screen = None
         # The step passes ATen's int4 kernel one group size (a constant): with several, int4 stays on the loops.
         groups = {q.group_size for q in flat} - {0}
         packed = {id(q) for q, ok in zip(flat, w8a8_layouts(flat)) if ok} if w8a8 else set()  # int8 ones
@@ -218,7 +228,7 @@ class FastPath(nn.Module):
         self.model.ensure_positions(end)
         self.cos = self.model.rope_cos.to(ACT_DTYPE)
         self.sin_signed = signed_sine(self.model.rope_sin).to(ACT_DTYPE)
-        self._step_fn, self._steps, self.packages = None, {}, {}
+        self._step_fns, self._steps, self.packages = {}, {}, {}
 
     @property
     def act_dtype(self) -> torch.dtype:
@@ -363,12 +373,31 @@ class FastPath(nn.Module):
         kv_cache.check_fits(pos + seq)
         if not self.compiled:
             return self(tokens, pos, kv_cache)
+        return self._run_step(tokens, pos, kv_cache, pad, greedy=False)[0]
+
+    def decode_next(self, token: torch.Tensor, pos: int, kv_cache: KVCache,
+                    pad: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The greedy next token ``[batch]`` (int64) after one new token per row (``token`` ``[batch, 1]``) written at
+        cache column ``pos``: the argmax of :meth:`decode_step`'s logits, computed through the head's int8 screen
+        when the step is compiled and the head is float (:mod:`~minigpt.infer.fastpath.screen`: the same token
+        but for float32 ties, a fifth fewer bytes read per token at fp32). ``pad`` as in :meth:`decode_step`."""
+        if self.screen is None:
+            return self.decode_step(token, pos, kv_cache, pad=pad).argmax(-1)
+        kv_cache.check_fits(pos + 1)
+        nxt, h = self._run_step(token, pos, kv_cache, pad, greedy=True)
+        return resolve(nxt, h, self.head.weight)[:, -1]
+
+    def _run_step(self, tokens: torch.Tensor, pos: int, kv_cache: KVCache, pad: Optional[torch.Tensor],
+                  greedy: bool) -> tuple:
+        """The compiled step (``greedy``: the screened greedy one) over ``tokens`` at column ``pos``, its new keys
+        and values written into ``kv_cache``: returns the step's other outputs (``(logits,)`` or ``(next, h)``)."""
+        batch, seq = tokens.shape
         # A compiled step is specialised to its inputs' strides and a saved one runs unguarded (aot._bound): a
         # column view of a longer token matrix once made a loaded step read the wrong tokens.
         tokens = tokens.contiguous()
         pad = self._buffer(("pad", batch), batch) if pad is None else pad.contiguous()
         shape = (batch, seq, kv_cache.max_seq_len)
-        key = shape + (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        key = shape + (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), greedy)
         first = key not in self._steps
         t0 = time.perf_counter()
         input_pos = self._buffer(("pos",), 1).fill_(pos)  # reused: no allocation per step
@@ -377,25 +406,25 @@ class FastPath(nn.Module):
         args = (tokens, input_pos, pad, kv_cache.k, kv_cache.v)
         step = self._steps.get(key)
         if step is None:  # a saved ahead-of-time step per shape, else one torch.compile'd function for all
-            if self.geometry.w8a8 or self.geometry.head_w8a8:
+            if self.geometry.w8a8 or self.geometry.head_w8a8 or greedy:  # greedy: the head's int8 screen
                 w8a8_kernel()  # before the step's first call: the op's CPU kernel is chosen once per process
-            if self._step_fn is not None:  # the cache is off or ahead-of-time compiling failed: not tried again
-                step, source = self._step_fn, "jit"
+            if greedy in self._step_fns:  # the cache is off or ahead-of-time compiling failed: not tried again
+                step, source = self._step_fns[greedy], "jit"
             else:
-                step, source = cached_step(self, args, self.compile_cache, aoti=self.aoti)
+                step, source = cached_step(self, args, self.compile_cache, aoti=self.aoti, greedy=greedy)
                 self.aoti = self.aoti and source.startswith("aoti")
                 if source == "jit":
-                    self._step_fn = step
+                    self._step_fns[greedy] = step
             self._steps[key] = step
             self.compile_sources[source] = self.compile_sources.get(source, 0) + 1
-        logits, new_k, new_v = step(*args)
+        first_out, new_k, new_v, *rest = step(*args)
         # The new columns are written here, outside the graph (see step.static_step): 2 x n_layers small copies.
         for cache_k, cache_v, k, v in zip(kv_cache.k, kv_cache.v, new_k, new_v):
             cache_k[:, :, pos:pos + seq].copy_(k)
             cache_v[:, :, pos:pos + seq].copy_(v)
         if first:
             self.compile_seconds += time.perf_counter() - t0
-        return logits
+        return (first_out, *rest)
 
     @property
     def _compiled_shapes(self) -> set[tuple[int, int, int]]:

@@ -1,0 +1,105 @@
+"""Exact greedy decoding that reads a float LM head at int8 cost: an int8 copy of the head screens the vocabulary,
+and the few rows that could hold the maximum are recomputed from the float weights.
+
+Why: at batch 1 a decode step reads every weight once, and a float32 model's tied head (SmolLM-135M: 49,152 x
+576, 113 MB of its 540 MB) is a fifth of those bytes; the step runs at the rate the host streams memory
+(docs/benchmarks.md). Greedy decoding needs only the argmax of the logits, not their values, and the argmax can
+be certified from a cheaper product plus an error bound -- the same idea as exact maximum-inner-product search
+with quantized screening (e.g. Guo et al., "Accelerating Large-Scale Inference with Anisotropic Vector
+Quantization", ICML 2020, re-ranking the candidates of a quantized score by exact ones).
+
+The bound, per vocabulary row ``i`` with float weights ``w_i`` and ``h`` the final hidden state ``[dim]``:
+
+* the screen's product is :func:`~minigpt.infer.fastpath.library.w8a8_linear`: ``w_i ~= s_i q_i`` (per-row
+  symmetric int8, :func:`~minigpt.model.quant.quantize_weight`) and ``h ~= s_h r`` (``s_h = max|h| / 127``, ``r``
+  rounded, each element off by at most half a step: ``0.5 s_h``, plus FBGEMM's float32 rounding of ``x + 128``,
+  covered by using ``0.501``), the integer sum exact;
+* ``|h . w_i - a_i| <= |h . (w_i - s_i q_i)| + |(h - s_h r) . s_i q_i|
+  <= ||h||_2 ||w_i - s_i q_i||_2 + 0.501 s_h sqrt(dim) ||s_i q_i||_2`` (Cauchy-Schwarz, twice);
+* plus float32 rounding of the exact dot product (``<= dim * 2^-24 * ||h||_2 ||w_i||_2``, Higham, "Accuracy and
+  Stability of Numerical Algorithms", eq. 3.5, doubled) and of the screen's scaling (``1e-6 |a_i|``), and 0.1 %
+  on the whole bound for the rounding of the bound itself.
+
+Every row ``i`` therefore satisfies ``logit_i <= u_i = a_i + e_i``. The step takes the :data:`SCREEN_K` + 1
+rows of largest ``u``, recomputes the first :data:`SCREEN_K` exactly (a gather of ``SCREEN_K`` float rows), and
+the best of them is the argmax of all logits when it is larger than the next upper bound ``u_(K+1)``: no row
+outside can then reach it. Otherwise (not seen in the measurements below) the step answers -1 and
+:meth:`~minigpt.infer.fastpath.FastPath.decode_next` computes the full logits from the hidden state it returns.
+
+Measured (rows whose upper bound reaches the maximum, the ones that must be recomputed): Karpathy's trained
+stories260K over 512 TinyStories positions, 1 at the median, 6 at the 99th percentile, 11 at most; the
+random-weight SmolLM-135M shape of the llama.cpp benchmark over 1,024 positions, 5 / 26 / 42. ``SCREEN_K = 64``
+certified every position of both.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from minigpt.infer.fastpath.kernels import Proj, decode_linear
+from minigpt.model.quant import quantize_weight
+
+SCREEN_K = 64  # rows recomputed exactly per token (64 x dim floats: 147 KB at dim 576, against a 113 MB head)
+# Half an activation step, widened for FBGEMM's rounding of x + 128 to float32 before rounding to an integer.
+_HALF_STEP = 0.501
+
+
+class HeadScreen:
+    """The int8 screen of a float LM head ``[vocab, dim]``.
+
+    ``proj``: the int8 copy (:class:`~minigpt.infer.fastpath.kernels.Proj`, per-row scales, prepared for
+    :func:`~minigpt.infer.fastpath.library.w8a8_linear` by the caller); ``bound`` ``[vocab]`` float32:
+    ``||w_i - s_i q_i||_2 + dim 2^-23 ||w_i||_2``, the weight's share of the error per unit ``||h||_2``;
+    ``spread`` ``[vocab]`` float32: ``0.501 sqrt(dim) ||s_i q_i||_2``, the activation rounding's share per unit
+    ``s_h``."""
+
+    def __init__(self, head: torch.Tensor) -> None:
+        w = head.detach().float()
+        q, scale = quantize_weight(w)
+        approx = q.float() * scale[:, None]
+        dim = w.shape[1]
+        self.proj = Proj(q, scale)
+        self.bound = ((w - approx).norm(dim=1) + dim * 2.0 ** -23 * w.norm(dim=1)).contiguous()
+        self.spread = (_HALF_STEP * math.sqrt(dim) * approx.norm(dim=1)).contiguous()
+
+
+def build_screen(head: Proj, enabled: bool) -> Optional[HeadScreen]:
+    """A :class:`HeadScreen` of the float head ``head`` (fp32/bf16/fp16, on the CPU, no bias) when ``enabled``;
+    None otherwise (a quantized head is already read at int8 cost or less)."""
+    w = head.weight
+    if not enabled or w is None or head.scale is not None or head.bias is not None or not w.is_floating_point() \
+            or w.device.type != "cpu" or w.shape[0] <= SCREEN_K:
+        return None
+    return HeadScreen(w)
+
+
+def screened_argmax(head_weight: torch.Tensor, screen: Proj, bound: torch.Tensor, spread: torch.Tensor,
+                    h: torch.Tensor) -> torch.Tensor:
+    """Greedy next tokens ``[batch, seq]`` (int64) of the final hidden states ``h`` ``[batch, seq, dim]`` under the
+    float head ``head_weight`` ``[vocab, dim]``, -1 where the screen cannot certify the argmax (module docstring;
+    traced into the compiled greedy step). A certified token equals the argmax of the float32 logits but for ties
+    within float32 rounding, where the two sums' order decides."""
+    h32 = h.float()
+    a = decode_linear(screen, h32, w8a8=True)  # [batch, seq, vocab]
+    s_h = h32.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127.0
+    e = (h32.norm(dim=-1, keepdim=True) * bound + s_h * spread) * 1.001 + 1e-6 * a.abs()
+    upper, idx = torch.topk(a + e, SCREEN_K + 1, dim=-1)  # [batch, seq, K + 1]
+    cand = idx[..., :SCREEN_K]
+    rows = head_weight[cand].float()  # [batch, seq, K, dim]
+    exact = (rows * h32[..., None, :]).sum(-1)  # [batch, seq, K]
+    best, j = exact.max(-1)
+    token = cand.gather(-1, j[..., None]).squeeze(-1)
+    return torch.where(best > upper[..., SCREEN_K], token, torch.full_like(token, -1))
+
+
+def resolve(tokens: torch.Tensor, h: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+    """``tokens`` ``[batch, seq]`` from :func:`screened_argmax` with each -1 replaced by the argmax of the full
+    float32 logits of its hidden state in ``h`` ``[batch, seq, dim]``."""
+    missing = tokens < 0
+    if bool(missing.any()):
+        logits = h[missing].float() @ head_weight.float().T
+        tokens = tokens.clone()
+        tokens[missing] = logits.argmax(-1)
+    return tokens
