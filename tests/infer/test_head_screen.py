@@ -43,6 +43,22 @@ def test_the_bound_covers_every_rows_error(scale):
         assert (a - exact).abs().max() > 0  # the screen does round
 
 
+def test_the_weight_only_screen_certifies_the_float_argmax():
+    """Without VNNI the screen multiplies its int8 weights by float activations (the step's int8 loops read
+    them as words); eagerly that is the dequantized product, whose error the same bound covers."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(2000, 64, generator=gen)
+    h = torch.randn(2, 3, 64, generator=gen)
+    sc = HeadScreen(w, w8a8=False)
+    assert sc.proj.words is not None and not sc.w8a8
+    exact = h.double() @ w.double().T
+    a = (h @ (sc.proj.weight.float() * sc.proj.scale[:, None]).T).double()
+    e = (h.norm(dim=-1, keepdim=True) * sc.bound).double()  # the weight term alone bounds it here
+    assert ((a - exact).abs() <= e).all()
+    got = screened_argmax(w, sc.proj, sc.bound, sc.spread, h, w8a8=False)
+    assert ((got == exact.argmax(-1)) | (got == -1)).all() and (got >= 0).any()
+
+
 @needs_vnni
 def test_certified_tokens_are_the_float_argmax_and_near_ties_fall_back():
     """Random heads: every answer is -1 or the float argmax. A head whose rows are copies of one row plus noise far
@@ -78,16 +94,18 @@ def test_no_screen_for_quantized_small_or_biased_heads():
 GREEDY = SamplingParams(max_tokens=32, temperature=0)
 
 
-@needs_vnni
-def test_compiled_greedy_generation_through_the_screen_gives_the_logits_steps_tokens():
+@pytest.mark.parametrize("woq_kernel", ["auto", "words"])
+def test_compiled_greedy_generation_through_the_screen_gives_the_logits_steps_tokens(woq_kernel):
     """A tiny fp32 model (vocab larger than SCREEN_K), compiled without a cache: 32 greedy tokens through
-    decode_next equal those of the logits step, and the screen was used (its greedy step compiled)."""
+    decode_next equal those of the logits step, and the screen was used (its greedy step compiled): int8 x int8
+    where the CPU has AVX512-VNNI, and (``words``, as on other CPUs) int8 weights on float activations."""
     model = random_model(dict(TINY_MODEL, vocab_size=400), seed=3, noise=0.5)
-    with_screen = prepare(copy.deepcopy(model), compile=True)
+    with_screen = prepare(copy.deepcopy(model), compile=True, woq_kernel=woq_kernel)
     with_screen.compile_cache = False
     without = prepare(copy.deepcopy(model), compile=True)
     without.compile_cache, without.screen = False, None
     assert with_screen.screen is not None
+    assert with_screen.screen.w8a8 == (woq_kernel == "auto" and w8a8_available())
     with torch.inference_mode():
         got = list(generate_tokens(with_screen, [5, 9, 2], GREEDY))
         want = list(generate_tokens(without, [5, 9, 2], GREEDY))
@@ -95,7 +113,6 @@ def test_compiled_greedy_generation_through_the_screen_gives_the_logits_steps_to
     assert any(key[-1] for key in with_screen._steps) and not any(key[-1] for key in without._steps)
 
 
-@needs_vnni
 def test_screened_greedy_equals_the_reference_on_stories260k(shared_data):
     """Karpathy's trained stories260K (vocab 512, dim 64), fp32, compiled: 64 greedy tokens from BOS through the
     screen equal the reference continuation shipped with the checkpoint."""
@@ -112,3 +129,18 @@ def test_screened_greedy_equals_the_reference_on_stories260k(shared_data):
     with torch.inference_mode():
         got = list(generate_tokens(fp, [1], SamplingParams(max_tokens=n, temperature=0)))
     assert got == ref[:n]
+
+
+def test_the_greedy_step_has_its_own_saved_file_name():
+    """The greedy and logits steps of one FastPath are different programs: their saved files (and packages)
+    must not share a name, or a later process would load the one in place of the other."""
+    from minigpt.infer.fastpath.aot import step_key
+
+    fp = prepare(random_model(dict(TINY_MODEL, vocab_size=400), seed=3), compile=True)
+    assert fp.screen is not None
+    cache = fp.new_kv_cache(1, 16)
+    args = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+            cache.k, cache.v)
+    assert step_key(fp, 1, 1, None, args, greedy=True) != step_key(fp, 1, 1, None, args)
+    assert step_key(fp, 1, 1, 16, args, greedy=True) != step_key(fp, 1, 1, 16, args)
+    assert step_key(fp, 1, 1, 16, args) == step_key(fp, 1, 1, 16, args, greedy=False)

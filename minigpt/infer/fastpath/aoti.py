@@ -100,7 +100,7 @@ class StepModule(nn.Module):
                                      head=self._proj("head"), layers=layers)
         if self.greedy:
             view.screen = types.SimpleNamespace(proj=self._proj("screen"), bound=self.screen_bound,
-                                                spread=self.screen_spread)
+                                                spread=self.screen_spread, w8a8=fp.screen.w8a8)
             return static_greedy_step(view, token, input_pos, pad, k_cache, v_cache)
         return static_step(view, token, input_pos, pad, k_cache, v_cache)
 

@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from minigpt.infer.fastpath.kernels import Proj, decode_linear
+from minigpt.infer.fastpath.kernels import Proj, decode_linear, int8_words
 from minigpt.model.quant import quantize_weight
 
 SCREEN_K = 64  # rows recomputed exactly per token (64 x dim floats: 147 KB at dim 576, against a 113 MB head)
@@ -49,40 +49,44 @@ _HALF_STEP = 0.501
 class HeadScreen:
     """The int8 screen of a float LM head ``[vocab, dim]``.
 
-    ``proj``: the int8 copy (:class:`~minigpt.infer.fastpath.kernels.Proj`, per-row scales, prepared for
-    :func:`~minigpt.infer.fastpath.library.w8a8_linear` by the caller); ``bound`` ``[vocab]`` float32:
+    ``proj``: the int8 copy (:class:`~minigpt.infer.fastpath.kernels.Proj`, per-row scales); ``w8a8``: whether
+    it goes through :func:`~minigpt.infer.fastpath.library.w8a8_linear` (the caller prepares it; CPUs with
+    AVX512-VNNI) or, weight-only, through the compiled step's int8 loops on float32 activations
+    (:func:`~minigpt.infer.fastpath.kernels.int8_words`; the activation term of the bound is then only
+    conservative); ``bound`` ``[vocab]`` float32:
     ``||w_i - s_i q_i||_2 + dim 2^-23 ||w_i||_2``, the weight's share of the error per unit ``||h||_2``;
     ``spread`` ``[vocab]`` float32: ``0.501 sqrt(dim) ||s_i q_i||_2``, the activation rounding's share per unit
     ``s_h``."""
 
-    def __init__(self, head: torch.Tensor) -> None:
+    def __init__(self, head: torch.Tensor, w8a8: bool = True) -> None:
         w = head.detach().float()
         q, scale = quantize_weight(w)
         approx = q.float() * scale[:, None]
         dim = w.shape[1]
-        self.proj = Proj(q, scale)
+        self.w8a8 = w8a8
+        self.proj = Proj(q, scale, words=None if w8a8 else int8_words(q))
         self.bound = ((w - approx).norm(dim=1) + dim * 2.0 ** -23 * w.norm(dim=1)).contiguous()
         self.spread = (_HALF_STEP * math.sqrt(dim) * approx.norm(dim=1)).contiguous()
 
 
-def build_screen(head: Proj, enabled: bool) -> Optional[HeadScreen]:
+def build_screen(head: Proj, enabled: bool, w8a8: bool = True) -> Optional[HeadScreen]:
     """A :class:`HeadScreen` of the float head ``head`` (fp32/bf16/fp16, on the CPU, no bias) when ``enabled``;
-    None otherwise (a quantized head is already read at int8 cost or less)."""
+    None otherwise (a quantized head is already read at int8 cost or less). ``w8a8``: see :class:`HeadScreen`."""
     w = head.weight
     if not enabled or w is None or head.scale is not None or head.bias is not None or not w.is_floating_point() \
             or w.device.type != "cpu" or w.shape[0] <= SCREEN_K:
         return None
-    return HeadScreen(w)
+    return HeadScreen(w, w8a8)
 
 
 def screened_argmax(head_weight: torch.Tensor, screen: Proj, bound: torch.Tensor, spread: torch.Tensor,
-                    h: torch.Tensor) -> torch.Tensor:
+                    h: torch.Tensor, w8a8: bool = True) -> torch.Tensor:
     """Greedy next tokens ``[batch, seq]`` (int64) of the final hidden states ``h`` ``[batch, seq, dim]`` under the
     float head ``head_weight`` ``[vocab, dim]``, -1 where the screen cannot certify the argmax (module docstring;
     traced into the compiled greedy step). A certified token equals the argmax of the float32 logits but for ties
-    within float32 rounding, where the two sums' order decides."""
+    within float32 rounding, where the two sums' order decides. ``w8a8``: as :class:`HeadScreen`'s."""
     h32 = h.float()
-    a = decode_linear(screen, h32, w8a8=True)  # [batch, seq, vocab]
+    a = decode_linear(screen, h32, w8a8=w8a8)  # [batch, seq, vocab]
     s_h = h32.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127.0
     e = (h32.norm(dim=-1, keepdim=True) * bound + s_h * spread) * 1.001 + 1e-6 * a.abs()
     upper, idx = torch.topk(a + e, SCREEN_K + 1, dim=-1)  # [batch, seq, K + 1]

@@ -81,8 +81,8 @@ class FastPath(nn.Module):
     packages (:mod:`minigpt.infer.fastpath.aoti`; CPU; a longer first compile, then loads in milliseconds and no
     Python wrapper per token), falling back to the saved ``torch.compile`` step when packaging fails.
     ``screen``: greedy steps (:meth:`decode_next`) of a compiled float model read the LM head through an int8
-    screen (:mod:`minigpt.infer.fastpath.screen`) where the int8 products run (VNNI); None: unless
-    ``$MINIGPT_HEAD_SCREEN`` is ``0``. Raises ``ValueError`` for an architecture the fast path does not compute (see :func:`supports`) only when
+    screen (:mod:`minigpt.infer.fastpath.screen`; int8 x int8 on CPUs with AVX512-VNNI, int8 weights on float
+    activations elsewhere); None: unless ``$MINIGPT_HEAD_SCREEN`` is ``0``. Raises ``ValueError`` for an architecture the fast path does not compute (see :func:`supports`) only when
     ``strict``; otherwise such models run through their own forward.
     """
 
@@ -114,8 +114,8 @@ class FastPath(nn.Module):
         self.compile_sources: dict[str, int] = {}  # "loaded" / "saved" / "jit": how many steps came each way
         self._steps: dict[tuple, Callable] = {}
         self._step_fns: dict[bool, Callable] = {}  # by greedy: the torch.compile'd step once the cache is off
-        # Greedy steps through an int8 screen of a float head (screen.py): on by default where the int8 products
-        # run (VNNI); False or $MINIGPT_HEAD_SCREEN=0 turns it off.
+        # Greedy steps through an int8 screen of a float head (screen.py): on by default for compiled steps;
+        # False or $MINIGPT_HEAD_SCREEN=0 turns it off.
         self.screen = None
         self._screen_wanted = os.environ.get("MINIGPT_HEAD_SCREEN", "1") != "0" if screen is None else screen
         # The AOTInductor packages loaded, by file: one serves every cache length of its (batch, seq).
@@ -155,9 +155,11 @@ class FastPath(nn.Module):
         # step and in eager decode steps alike), else, compiled, read as float32 words (same memory)
         aten, w8a8 = aten_woq_wanted(self.woq_kernel), w8a8_wanted(self.woq_kernel)
         flat = [q for p in projections for q in (p if isinstance(p, list) else [p])]
-        self.screen = build_screen(self.head, self.compiled and w8a8 and self._screen_wanted)
-        if self.screen is not None and not w8a8_layouts([self.screen.proj])[0]:
-            self.screen = None
+        # The head's screen (greedy steps): int8 x int8 where FBGEMM's layout is taken, else int8 weights on
+        # float activations in the step's loops (CPUs without AVX512-VNNI).
+        self.screen = build_screen(self.head, self.compiled and self._screen_wanted, w8a8)
+        if self.screen is not None and w8a8 and not w8a8_layouts([self.screen.proj])[0]:
+            self.screen = build_screen(self.head, True, w8a8=False)
         # The step passes ATen's int4 kernel one group size (a constant): with several, int4 stays on the loops.
         groups = {q.group_size for q in flat} - {0}
         packed = {id(q) for q, ok in zip(flat, w8a8_layouts(flat)) if ok} if w8a8 else set()  # int8 ones
@@ -406,7 +408,7 @@ class FastPath(nn.Module):
         args = (tokens, input_pos, pad, kv_cache.k, kv_cache.v)
         step = self._steps.get(key)
         if step is None:  # a saved ahead-of-time step per shape, else one torch.compile'd function for all
-            if self.geometry.w8a8 or self.geometry.head_w8a8 or greedy:  # greedy: the head's int8 screen
+            if self.geometry.w8a8 or self.geometry.head_w8a8 or (greedy and self.screen.w8a8):
                 w8a8_kernel()  # before the step's first call: the op's CPU kernel is chosen once per process
             if greedy in self._step_fns:  # the cache is off or ahead-of-time compiling failed: not tried again
                 step, source = self._step_fns[greedy], "jit"
