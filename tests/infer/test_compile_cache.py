@@ -103,8 +103,8 @@ def test_a_failed_ahead_of_time_compile_is_not_retried_for_the_next_shape(tmp_pa
             tries.append(1)
             raise RuntimeError("unsupported here")
 
-    monkeypatch.setattr(aot, "compile_step", lambda fp, mode, serializable=False:
-                        Failing() if serializable else real(fp, mode))
+    monkeypatch.setattr(aot, "compile_step", lambda fp, mode, serializable=False, greedy=False:
+                        Failing() if serializable else real(fp, mode, greedy=greedy))
     fp = FastPath(make(), compile=True, compile_cache=tmp_path)
     with pytest.warns(RuntimeWarning, match="ahead-of-time compilation failed") as caught:
         assert list(generate_tokens(fp, PROMPT, GREEDY)) == greedy_tokens(make())

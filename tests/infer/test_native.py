@@ -108,12 +108,12 @@ def test_the_runner_gives_the_compiled_steps_tokens_and_refuses_a_truncated_bund
     """In this process too (a Python one, whose compiled int8/int4 steps made the runner library's C++ function
     the kernel of `minigpt::w8a8_mm`, sharing its table of packed matrices): the runner gives the compiled step's
     tokens, for models whose step multiplies through FBGEMM as well (before, those were refused here), and for
-    the greedy step whose package returns tokens (the fp32 head read through its int8 screen, where VNNI is)."""
+    the greedy step whose package returns tokens (the fp32 head read through its int8 screen)."""
     monkeypatch.setenv(launcher.ENV, str(tmp_path / "cache"))
     model = _model_dir(tiny_data, tmp_path / "m")
     fp = load_for_inference(model, quantize=quantize, compile=True, aoti=True)
-    if screened and fp.screen is None:
-        pytest.skip("no int8 screen of the head on this CPU (it needs AVX512-VNNI)")
+    if screened:
+        assert fp.head_screen() is not None
     prompt = [5, 17, 3, 22, 9]
     want = _greedy_through_the_step(fp, prompt, 20, screened)
     assert fp.compile_sources == {"aoti-saved": 1}
@@ -123,9 +123,7 @@ def test_the_runner_gives_the_compiled_steps_tokens_and_refuses_a_truncated_bund
     manifest = launcher.read_manifest(launcher.launch_key(model, "float32", quantize, 1))
     assert manifest is not None and Path(manifest["bundle"]) == bundle
     files = Path(manifest["runner"]), Path(manifest["package"]), bundle
-    # int8 matrices the runner enters for `minigpt::w8a8_mm`: an int8 model's, or the screen of a float head
-    assert bool((bundle / "w8a8.txt").read_text()) == ((quantize is not None or fp.screen is not None)
-                                                       and w8a8_available())
+    assert bool((bundle / "w8a8.txt").read_text()) == (quantize is not None and w8a8_available())
     with launcher.NativeRunner(*files, threads=1) as runner:
         got = runner.generate(prompt, 20, cache_len=launcher.cache_length(25, manifest["positions"]))
         assert got == want and len(set(want)) > 5

@@ -57,8 +57,8 @@ def step_projections(fp) -> dict:
 
 def step_tensors(fp) -> dict[str, torch.Tensor]:
     """Every tensor the compiled steps of FastPath ``fp`` read, by a stable name (``embedding``, ``cos``,
-    ``head_weight``, ``l0_attn_norm``, ``l0_wqkv_words``, ..., and for the greedy step ``screen_weight``,
-    ``screen_scale``, ``screen_bound``, ``screen_spread``): the packages' constants. A projection's ``weight``
+    ``head_weight``, ``l0_attn_norm``, ``l0_wqkv_words``, ..., and for the greedy step ``screen_words``,
+    ``screen_scale``, ``screen_bound``): the packages' constants. A projection's ``weight``
     is left out when its ``words`` replace it (the step reads one or the other, see ``step._proj_args``)."""
     named = {"embedding": fp.embedding, "final_norm": fp.final_norm, "cos": fp.cos, "sin_signed": fp.sin_signed}
     for i, lw in enumerate(fp.layers):
@@ -69,7 +69,7 @@ def step_tensors(fp) -> dict[str, torch.Tensor]:
             if t is not None and not (slot == "weight" and p.words is not None):
                 named[f"{prefix}_{slot}"] = t
     if getattr(fp, "screen", None) is not None:
-        named["screen_bound"], named["screen_spread"] = fp.screen.bound, fp.screen.spread
+        named["screen_bound"] = fp.screen.bound
     return named
 
 
@@ -99,8 +99,7 @@ class StepModule(nn.Module):
                                      sin_signed=self.sin_signed, final_eps=fp.final_eps, geometry=fp.geometry,
                                      head=self._proj("head"), layers=layers)
         if self.greedy:
-            view.screen = types.SimpleNamespace(proj=self._proj("screen"), bound=self.screen_bound,
-                                                spread=self.screen_spread, w8a8=fp.screen.w8a8)
+            view.screen = types.SimpleNamespace(proj=self._proj("screen"), bound=self.screen_bound)
             return static_greedy_step(view, token, input_pos, pad, k_cache, v_cache)
         return static_step(view, token, input_pos, pad, k_cache, v_cache)
 

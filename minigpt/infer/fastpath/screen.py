@@ -10,15 +10,17 @@ Quantization", ICML 2020, re-ranking the candidates of a quantized score by exac
 
 The bound, per vocabulary row ``i`` with float weights ``w_i`` and ``h`` the final hidden state ``[dim]``:
 
-* the screen's product is :func:`~minigpt.infer.fastpath.library.w8a8_linear`: ``w_i ~= s_i q_i`` (per-row
-  symmetric int8, :func:`~minigpt.model.quant.quantize_weight`) and ``h ~= s_h r`` (``s_h = max|h| / 127``, ``r``
-  rounded, each element off by at most half a step: ``0.5 s_h``, plus FBGEMM's float32 rounding of ``x + 128``,
-  covered by using ``0.501``), the integer sum exact;
-* ``|h . w_i - a_i| <= |h . (w_i - s_i q_i)| + |(h - s_h r) . s_i q_i|
-  <= ||h||_2 ||w_i - s_i q_i||_2 + 0.501 s_h sqrt(dim) ||s_i q_i||_2`` (Cauchy-Schwarz, twice);
-* plus float32 rounding of the exact dot product (``<= dim * 2^-24 * ||h||_2 ||w_i||_2``, Higham, "Accuracy and
-  Stability of Numerical Algorithms", eq. 3.5, doubled) and of the screen's scaling (``1e-6 |a_i|``), and 0.1 %
-  on the whole bound for the rounding of the bound itself.
+* the screen's row is ``w_i ~= s_i q_i`` (per-row symmetric int8, :func:`~minigpt.model.quant.quantize_weight`),
+  multiplied by the float32 activations in the compiled step's int8 loops
+  (:func:`~minigpt.infer.fastpath.kernels.int8_words`): ``a_i = s_i (h . q_i)`` in float32;
+* ``|h . w_i - a_i| <= ||h||_2 ||w_i - s_i q_i||_2`` (Cauchy-Schwarz) plus float32 rounding: of the screen's
+  sum, ``<= dim 2^-24 ||h||_2 ||s_i q_i||_2``, and of the float dot product the logits step computes,
+  ``<= dim 2^-24 ||h||_2 ||w_i||_2`` (Higham, "Accuracy and Stability of Numerical Algorithms", eq. 3.5), of the
+  scaling (``1e-6 |a_i|``), and 0.1 % on the whole bound for the rounding of the bound itself.
+
+(An int8 x int8 screen through :func:`~minigpt.infer.fastpath.library.w8a8_linear`, activations rounded to 8 bits
+too, measured no faster in the 135M step -- 1.04x, 8 alternating pairs, 0.92-1.16x -- and needed a FBGEMM
+packing of ~0.3 s per process and a looser bound; docs/benchmarks.md.)
 
 Every row ``i`` therefore satisfies ``logit_i <= u_i = a_i + e_i``. The step takes the :data:`SCREEN_K` + 1
 rows of largest ``u``, recomputes the first :data:`SCREEN_K` exactly (a gather of ``SCREEN_K`` float rows), and
@@ -33,7 +35,6 @@ certified every position of both.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -42,53 +43,49 @@ from minigpt.infer.fastpath.kernels import Proj, decode_linear, int8_words
 from minigpt.model.quant import quantize_weight
 
 SCREEN_K = 64  # rows recomputed exactly per token (64 x dim floats: 147 KB at dim 576, against a 113 MB head)
-# Half an activation step, widened for FBGEMM's rounding of x + 128 to float32 before rounding to an integer.
-_HALF_STEP = 0.501
+_BUILD_ROWS = 2048  # rows per block while building a screen (4.7 MB of float32 at dim 576)
 
 
 class HeadScreen:
-    """The int8 screen of a float LM head ``[vocab, dim]``.
+    """The int8 screen of a float LM head ``head`` ``[vocab, dim]``.
 
-    ``proj``: the int8 copy (:class:`~minigpt.infer.fastpath.kernels.Proj`, per-row scales); ``w8a8``: whether
-    it goes through :func:`~minigpt.infer.fastpath.library.w8a8_linear` (the caller prepares it; CPUs with
-    AVX512-VNNI) or, weight-only, through the compiled step's int8 loops on float32 activations
-    (:func:`~minigpt.infer.fastpath.kernels.int8_words`; the activation term of the bound is then only
-    conservative); ``bound`` ``[vocab]`` float32:
-    ``||w_i - s_i q_i||_2 + dim 2^-23 ||w_i||_2``, the weight's share of the error per unit ``||h||_2``;
-    ``spread`` ``[vocab]`` float32: ``0.501 sqrt(dim) ||s_i q_i||_2``, the activation rounding's share per unit
-    ``s_h``."""
+    ``proj``: the int8 copy (:class:`~minigpt.infer.fastpath.kernels.Proj`, per-row scales, its bytes also as
+    float32 words for the step's loops); ``bound`` ``[vocab]`` float32: ``||w_i - s_i q_i||_2 + dim 2^-24
+    (||w_i||_2 + ||s_i q_i||_2)``, the error of row ``i`` per unit ``||h||_2`` (module docstring)."""
 
-    def __init__(self, head: torch.Tensor, w8a8: bool = True) -> None:
-        w = head.detach().float()
-        q, scale = quantize_weight(w)
-        approx = q.float() * scale[:, None]
-        dim = w.shape[1]
-        self.w8a8 = w8a8
-        self.proj = Proj(q, scale, words=None if w8a8 else int8_words(q))
-        self.bound = ((w - approx).norm(dim=1) + dim * 2.0 ** -23 * w.norm(dim=1)).contiguous()
-        self.spread = (_HALF_STEP * math.sqrt(dim) * approx.norm(dim=1)).contiguous()
+    def __init__(self, head: torch.Tensor) -> None:
+        vocab, dim = head.shape
+        q = torch.empty(vocab, dim, dtype=torch.int8)
+        scale, self.bound = torch.empty(vocab), torch.empty(vocab)
+        # In blocks of rows that stay in the cache: over the whole head (113 MB at 135M, fp32) each pass below
+        # would stream it from memory again (0.25 s against 0.07 s measured).
+        for start in range(0, vocab, _BUILD_ROWS):
+            rows = slice(start, min(start + _BUILD_ROWS, vocab))
+            w = head[rows].detach().float()
+            q[rows], scale[rows] = quantize_weight(w)
+            approx = q[rows].float() * scale[rows, None]
+            self.bound[rows] = (w - approx).norm(dim=1) + dim * 2.0 ** -24 * (w.norm(dim=1) + approx.norm(dim=1))
+        self.proj = Proj(q, scale, words=int8_words(q))
 
 
-def build_screen(head: Proj, enabled: bool, w8a8: bool = True) -> Optional[HeadScreen]:
+def build_screen(head: Proj, enabled: bool) -> Optional[HeadScreen]:
     """A :class:`HeadScreen` of the float head ``head`` (fp32/bf16/fp16, on the CPU, no bias) when ``enabled``;
-    None otherwise (a quantized head is already read at int8 cost or less). ``w8a8``: see :class:`HeadScreen`."""
+    None otherwise (a quantized head is already read at int8 cost or less)."""
     w = head.weight
     if not enabled or w is None or head.scale is not None or head.bias is not None or not w.is_floating_point() \
             or w.device.type != "cpu" or w.shape[0] <= SCREEN_K:
         return None
-    return HeadScreen(w, w8a8)
+    return HeadScreen(w)
 
 
-def screened_argmax(head_weight: torch.Tensor, screen: Proj, bound: torch.Tensor, spread: torch.Tensor,
-                    h: torch.Tensor, w8a8: bool = True) -> torch.Tensor:
+def screened_argmax(head_weight: torch.Tensor, screen: Proj, bound: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """Greedy next tokens ``[batch, seq]`` (int64) of the final hidden states ``h`` ``[batch, seq, dim]`` under the
     float head ``head_weight`` ``[vocab, dim]``, -1 where the screen cannot certify the argmax (module docstring;
     traced into the compiled greedy step). A certified token equals the argmax of the float32 logits but for ties
-    within float32 rounding, where the two sums' order decides. ``w8a8``: as :class:`HeadScreen`'s."""
+    within float32 rounding, where the two sums' order decides."""
     h32 = h.float()
-    a = decode_linear(screen, h32, w8a8=w8a8)  # [batch, seq, vocab]
-    s_h = h32.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127.0
-    e = (h32.norm(dim=-1, keepdim=True) * bound + s_h * spread) * 1.001 + 1e-6 * a.abs()
+    a = decode_linear(screen, h32)  # [batch, seq, vocab]
+    e = h32.norm(dim=-1, keepdim=True) * bound * 1.001 + 1e-6 * a.abs()
     upper, idx = torch.topk(a + e, SCREEN_K + 1, dim=-1)  # [batch, seq, K + 1]
     cand = idx[..., :SCREEN_K]
     rows = head_weight[cand].float()  # [batch, seq, K, dim]

@@ -35,7 +35,7 @@ from minigpt.infer.fastpath.library import (
     w8a8_wanted,
 )
 from minigpt.infer.fastpath.screen import build_screen, resolve
-from minigpt.infer.fastpath.step import Geometry
+from minigpt.infer.fastpath.step import Geometry, compile_step
 from minigpt.infer.kv_cache import LayerKVCache
 from minigpt.infer.launcher import CACHE_BUCKET
 from minigpt.model.attention import causal_mask, padded_causal_mask
@@ -81,8 +81,7 @@ class FastPath(nn.Module):
     packages (:mod:`minigpt.infer.fastpath.aoti`; CPU; a longer first compile, then loads in milliseconds and no
     Python wrapper per token), falling back to the saved ``torch.compile`` step when packaging fails.
     ``screen``: greedy steps (:meth:`decode_next`) of a compiled float model read the LM head through an int8
-    screen (:mod:`minigpt.infer.fastpath.screen`; int8 x int8 on CPUs with AVX512-VNNI, int8 weights on float
-    activations elsewhere); None: unless ``$MINIGPT_HEAD_SCREEN`` is ``0``. Raises ``ValueError`` for an architecture the fast path does not compute (see :func:`supports`) only when
+    screen (:mod:`minigpt.infer.fastpath.screen`); None: unless ``$MINIGPT_HEAD_SCREEN`` is ``0``. Raises ``ValueError`` for an architecture the fast path does not compute (see :func:`supports`) only when
     ``strict``; otherwise such models run through their own forward.
     """
 
@@ -116,7 +115,7 @@ class FastPath(nn.Module):
         self._step_fns: dict[bool, Callable] = {}  # by greedy: the torch.compile'd step once the cache is off
         # Greedy steps through an int8 screen of a float head (screen.py): on by default for compiled steps;
         # False or $MINIGPT_HEAD_SCREEN=0 turns it off.
-        self.screen = None
+        self.screen, self._screen_pending = None, False  # see head_screen
         self._screen_wanted = os.environ.get("MINIGPT_HEAD_SCREEN", "1") != "0" if screen is None else screen
         # The AOTInductor packages loaded, by file: one serves every cache length of its (batch, seq).
         self.packages: dict = {}
@@ -155,11 +154,7 @@ class FastPath(nn.Module):
         # step and in eager decode steps alike), else, compiled, read as float32 words (same memory)
         aten, w8a8 = aten_woq_wanted(self.woq_kernel), w8a8_wanted(self.woq_kernel)
         flat = [q for p in projections for q in (p if isinstance(p, list) else [p])]
-        # The head's screen (greedy steps): int8 x int8 where FBGEMM's layout is taken, else int8 weights on
-        # float activations in the step's loops (CPUs without AVX512-VNNI).
-        self.screen = build_screen(self.head, self.compiled and self._screen_wanted, w8a8)
-        if self.screen is not None and w8a8 and not w8a8_layouts([self.screen.proj])[0]:
-            self.screen = build_screen(self.head, True, w8a8=False)
+        self._screen_pending = self.compiled and self._screen_wanted
         # The step passes ATen's int4 kernel one group size (a constant): with several, int4 stays on the loops.
         groups = {q.group_size for q in flat} - {0}
         packed = {id(q) for q, ok in zip(flat, w8a8_layouts(flat)) if ok} if w8a8 else set()  # int8 ones
@@ -383,11 +378,19 @@ class FastPath(nn.Module):
         cache column ``pos``: the argmax of :meth:`decode_step`'s logits, computed through the head's int8 screen
         when the step is compiled and the head is float (:mod:`~minigpt.infer.fastpath.screen`: the same token
         but for float32 ties, a fifth fewer bytes read per token at fp32). ``pad`` as in :meth:`decode_step`."""
-        if self.screen is None:
+        if self.head_screen() is None:
             return self.decode_step(token, pos, kv_cache, pad=pad).argmax(-1)
         kv_cache.check_fits(pos + 1)
         nxt, h = self._run_step(token, pos, kv_cache, pad, greedy=True)
         return resolve(nxt, h, self.head.weight)[:, -1]
+
+    def head_screen(self):
+        """The LM head's int8 screen (:class:`~minigpt.infer.fastpath.screen.HeadScreen`) for greedy steps, built
+        at the first call (by :meth:`decode_next`: only greedy decoding pays for it; 135M fp32: ~0.07 s), or
+        None: not compiled, turned off, a head that is not float."""
+        if self._screen_pending:
+            self._screen_pending, self.screen = False, build_screen(self.head, True)
+        return self.screen
 
     def _run_step(self, tokens: torch.Tensor, pos: int, kv_cache: KVCache, pad: Optional[torch.Tensor],
                   greedy: bool) -> tuple:
@@ -408,10 +411,13 @@ class FastPath(nn.Module):
         args = (tokens, input_pos, pad, kv_cache.k, kv_cache.v)
         step = self._steps.get(key)
         if step is None:  # a saved ahead-of-time step per shape, else one torch.compile'd function for all
-            if self.geometry.w8a8 or self.geometry.head_w8a8 or (greedy and self.screen.w8a8):
+            if self.geometry.w8a8 or self.geometry.head_w8a8:
                 w8a8_kernel()  # before the step's first call: the op's CPU kernel is chosen once per process
             if greedy in self._step_fns:  # the cache is off or ahead-of-time compiling failed: not tried again
                 step, source = self._step_fns[greedy], "jit"
+            elif self._step_fns:  # ... nor for the other step (greedy or logits)
+                step, source = compile_step(self, self.compile_mode, greedy=greedy), "jit"
+                self._step_fns[greedy] = step
             else:
                 step, source = cached_step(self, args, self.compile_cache, aoti=self.aoti, greedy=greedy)
                 self.aoti = self.aoti and source.startswith("aoti")
