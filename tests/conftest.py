@@ -53,6 +53,24 @@ def float32_prefill(monkeypatch):
     monkeypatch.setattr(kernels, "native_bf16", lambda device_type="cpu": False)
 
 
+@pytest.fixture
+def failing_aot_compile(monkeypatch) -> list:
+    """Make every ahead-of-time compile of a decode step fail (minigpt.infer.fastpath.aot, an experimental API);
+    the ordinary torch.compile still works. Returns the list that gets one entry per attempt."""
+    from minigpt.infer.fastpath import aot
+
+    real, tries = aot.compile_step, []
+
+    class Failing:
+        def aot_compile(self, *a, **k):
+            tries.append(1)
+            raise RuntimeError("unsupported here")
+
+    monkeypatch.setattr(aot, "compile_step", lambda fp, mode, serializable=False, greedy=False:
+                        Failing() if serializable else real(fp, mode, greedy=greedy))
+    return tries
+
+
 def random_model(shape: dict, seed: int = 0, *, noise: float = 0.0, norm_noise: float | None = None, **overrides):
     """The one tiny random model of the test suite: ``Transformer(ModelConfig(**{**shape, **overrides}))`` built
     after ``torch.manual_seed(seed)``, in eval mode.

@@ -92,19 +92,10 @@ def test_cache_off_compiles_in_process(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_failed_ahead_of_time_compile_is_not_retried_for_the_next_shape(tmp_path, monkeypatch):
+def test_a_failed_ahead_of_time_compile_is_not_retried_for_the_next_shape(tmp_path, failing_aot_compile):
     """The AOT API is experimental: when it fails, the FastPath warns once and every shape, this one and the next,
     runs through one ordinary torch.compile'd function that gives the eager tokens."""
-    real = aot.compile_step
-    tries = []
-
-    class Failing:
-        def aot_compile(self, *a, **k):
-            tries.append(1)
-            raise RuntimeError("unsupported here")
-
-    monkeypatch.setattr(aot, "compile_step", lambda fp, mode, serializable=False, greedy=False:
-                        Failing() if serializable else real(fp, mode, greedy=greedy))
+    tries = failing_aot_compile
     fp = FastPath(make(), compile=True, compile_cache=tmp_path)
     with pytest.warns(RuntimeWarning, match="ahead-of-time compilation failed") as caught:
         assert list(generate_tokens(fp, PROMPT, GREEDY)) == greedy_tokens(make())

@@ -118,20 +118,10 @@ def test_the_greedy_step_has_its_own_saved_file_name():
     assert step_key(fp, 1, 1, 16, args) == step_key(fp, 1, 1, 16, args, greedy=False)
 
 
-def test_a_failed_ahead_of_time_compile_is_not_retried_for_the_other_step(tmp_path, monkeypatch):
+def test_a_failed_ahead_of_time_compile_is_not_retried_for_the_other_step(tmp_path, failing_aot_compile):
     """When the AOT API fails for the greedy step, the logits step goes straight to torch.compile too: one try,
     one warning, both steps' tokens as without the screen."""
-    from minigpt.infer.fastpath import aot
-
-    real, tries = aot.compile_step, []
-
-    class Failing:
-        def aot_compile(self, *a, **k):
-            tries.append(1)
-            raise RuntimeError("unsupported here")
-
-    monkeypatch.setattr(aot, "compile_step", lambda fp, mode, serializable=False, greedy=False:
-                        Failing() if serializable else real(fp, mode, greedy=greedy))
+    tries = failing_aot_compile
     model = random_model(dict(TINY_MODEL, vocab_size=400), seed=3, noise=0.5)
     fp = prepare(copy.deepcopy(model), compile=True)
     fp.compile_cache = tmp_path
