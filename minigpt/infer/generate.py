@@ -51,7 +51,8 @@ def generate_tokens(
 
     Per step the only host synchronisation is reading the sampled token (to yield it and test ``stop_ids``).
     Plain greedy decoding (temperature 0, nothing adjusting the logits) of a
-    :class:`~minigpt.infer.fastpath.FastPath` takes its tokens from :meth:`~minigpt.infer.fastpath.FastPath.decode_next`.
+    :class:`~minigpt.infer.fastpath.FastPath` takes its tokens from
+    :meth:`~minigpt.infer.fastpath.FastPath.decode_next`.
     """
     device = model_device(model)
     max_tokens = params.max_tokens

@@ -139,11 +139,11 @@ def _any_cache_length(example_args: tuple) -> dict:
 
 
 def export_package(fp, example_args: tuple, path: Path, greedy: bool = False) -> None:
-    """Export the step (``greedy``: the screened greedy step) of FastPath ``fp`` for the shapes of ``example_args`` (``token``, ``input_pos``, ``pad``,
-    ``k_cache``, ``v_cache``), the cache length left dynamic (:func:`_any_cache_length`), and compile it into an
-    AOTInductor package at ``path``, written to a temporary file and renamed (readable by this user only); stale
-    temporary files of killed compiles are removed first (:func:`remove_stale_partials`). Raises whatever export
-    or Inductor raise."""
+    """Export the step (``greedy``: the screened greedy step) of FastPath ``fp`` for the shapes of
+    ``example_args`` (``token``, ``input_pos``, ``pad``, ``k_cache``, ``v_cache``), the cache length left dynamic
+    (:func:`_any_cache_length`), and compile it into an AOTInductor package at ``path``, written to a temporary
+    file and renamed (readable by this user only); stale temporary files of killed compiles are removed first
+    (:func:`remove_stale_partials`). Raises whatever export or Inductor raise."""
     # torch._inductor is one of torch's lazily imported modules: the heavy import happens here, when compiling.
     configs = {"aot_inductor.package_constants_in_so": False, "size_asserts": False}
     if fp.compile_mode is not None:
@@ -156,8 +156,8 @@ def export_package(fp, example_args: tuple, path: Path, greedy: bool = False) ->
         # while exporting and packaging: nothing a user of the package can act on.
         with torch.no_grad(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
-            exported = torch.export.export(StepModule(fp, greedy), example_args, dynamic_shapes=_any_cache_length(example_args),
-                                           strict=False)
+            exported = torch.export.export(StepModule(fp, greedy), example_args,
+                                           dynamic_shapes=_any_cache_length(example_args), strict=False)
             torch._inductor.aoti_compile_and_package(exported, package_path=tmp, inductor_configs=configs)
         os.chmod(tmp, 0o600)
         os.replace(tmp, path)

@@ -81,8 +81,9 @@ class FastPath(nn.Module):
     packages (:mod:`minigpt.infer.fastpath.aoti`; CPU; a longer first compile, then loads in milliseconds and no
     Python wrapper per token), falling back to the saved ``torch.compile`` step when packaging fails.
     ``screen``: greedy steps (:meth:`decode_next`) of a compiled float model read the LM head through an int8
-    screen (:mod:`minigpt.infer.fastpath.screen`); None: unless ``$MINIGPT_HEAD_SCREEN`` is ``0``. Raises ``ValueError`` for an architecture the fast path does not compute (see :func:`supports`) only when
-    ``strict``; otherwise such models run through their own forward.
+    screen (:mod:`minigpt.infer.fastpath.screen`); None: unless ``$MINIGPT_HEAD_SCREEN`` is ``0``. Raises
+    ``ValueError`` for an architecture the fast path does not compute (see :func:`supports`) only when ``strict``;
+    otherwise such models run through their own forward.
     """
 
     def __init__(self, model: Transformer, fuse: bool = True, compile: bool = False,
