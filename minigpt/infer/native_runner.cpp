@@ -349,7 +349,6 @@ void pack_w8a8(Runner& r, const std::string& dir, int threads) {
   }
 }
 
-
 // The greedy step's head screen could not certify its token (minigpt/infer/fastpath/screen.py): the argmax of
 // the full float32 logits of the hidden state `h` [1, 1, dim] it returned.
 int64_t screen_fallback(const Runner& r, const at::Tensor& h) {

@@ -58,11 +58,10 @@ def test_no_screen_for_quantized_small_or_biased_heads():
     from minigpt.infer.fastpath import Proj
 
     w = torch.randn(SCREEN_K * 4, 32)
-    assert build_screen(Proj(w), enabled=False) is None
-    assert build_screen(Proj(w[:SCREEN_K]), enabled=True) is None  # no fewer rows to read
-    assert build_screen(Proj(w, bias=torch.zeros(w.shape[0])), enabled=True) is None
-    assert build_screen(Proj(w.to(torch.int8), scale=torch.ones(w.shape[0])), enabled=True) is None
-    assert build_screen(Proj(w), enabled=True) is not None
+    assert build_screen(Proj(w[:SCREEN_K])) is None  # no fewer rows to read
+    assert build_screen(Proj(w, bias=torch.zeros(w.shape[0]))) is None
+    assert build_screen(Proj(w.to(torch.int8), scale=torch.ones(w.shape[0]))) is None
+    assert build_screen(Proj(w)) is not None
 
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0)

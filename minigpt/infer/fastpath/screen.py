@@ -68,11 +68,11 @@ class HeadScreen:
         self.proj = Proj(q, scale, words=int8_words(q))
 
 
-def build_screen(head: Proj, enabled: bool) -> Optional[HeadScreen]:
-    """A :class:`HeadScreen` of the float head ``head`` (fp32/bf16/fp16, on the CPU, no bias) when ``enabled``;
-    None otherwise (a quantized head is already read at int8 cost or less)."""
+def build_screen(head: Proj) -> Optional[HeadScreen]:
+    """A :class:`HeadScreen` of the float head ``head`` (fp32/bf16/fp16, on the CPU, no bias); None for other
+    heads (a quantized head is already read at int8 cost or less; a small one has no fewer rows to read)."""
     w = head.weight
-    if not enabled or w is None or head.scale is not None or head.bias is not None or not w.is_floating_point() \
+    if w is None or head.scale is not None or head.bias is not None or not w.is_floating_point() \
             or w.device.type != "cpu" or w.shape[0] <= SCREEN_K:
         return None
     return HeadScreen(w)
