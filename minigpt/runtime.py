@@ -80,13 +80,27 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _above_capability(flag: str, capability: str) -> bool:
+    """Whether ``flag`` names an instruction set beyond what ``$ATEN_CPU_CAPABILITY`` = ``capability`` allows."""
+    wide = flag.startswith(("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert"))
+    if capability == "avx2":
+        return wide
+    if capability == "default":
+        return wide or flag.startswith(("avx", "fma", "f16c"))
+    return False
+
+
 @lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from ``/proc/cpuinfo`` (Linux: ``avx2``, ``avx512_vnni``, ...); empty elsewhere."""
+    """The CPU's feature flags from ``/proc/cpuinfo`` (Linux: ``avx2``, ``avx512_vnni``, ...), less those above
+    ``$ATEN_CPU_CAPABILITY`` when it is ``avx2`` (AVX-512, AMX and AVX-VNNI go) or ``default`` (every AVX flag, FMA
+    and F16C go too): PyTorch's own switch for running as on an older CPU, which ATen and Inductor's generated code
+    follow, and MiniGPT's kernel choices with them. Empty elsewhere."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
+                capability = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+                return frozenset(f for f in line.split(":", 1)[1].split() if not _above_capability(f, capability))
     except OSError:
         pass
     return frozenset()

@@ -94,14 +94,15 @@ def llama_source(cache: Path) -> Path:
     return tree
 
 
-def build_llamacpp(cache: Path, jobs: int, no_amx: bool = False) -> tuple[Path, Path]:
+def build_llamacpp(cache: Path, jobs: int, no_amx: bool = False, isa: str = "native") -> tuple[Path, Path]:
     """``(llama.cpp source tree, its bin directory)``, building the missing tools first. ``no_amx``: a second build
     (``build-noamx``) compiled with ``-mno-amx-*``, for hosts where llama.cpp's AMX kernels fault (seen here: a
     general protection fault at ``ldtilecfg`` in ``ggml_backend_amx_mul_mat`` during prompt processing of Q8_0 and
-    Q4_0 weights, whose repacked buffers route matrix products to AMX)."""
+    Q4_0 weights, whose repacked buffers route matrix products to AMX). ``isa="avx2"``: a build for an AVX2-only
+    CPU (``build-avx2``: ``-DGGML_NATIVE=OFF`` with AVX, AVX2, FMA, F16C and BMI2 on, what an AVX2 EPYC has)."""
     cache.mkdir(parents=True, exist_ok=True)
     tree = llama_source(cache)
-    build = cache / ("build-noamx" if no_amx else "build")
+    build = cache / ("build-avx2" if isa == "avx2" else "build-noamx" if no_amx else "build")
     bins = build / "bin"
     missing = [t for t in TOOLS if not (bins / t).is_file()]
     if not missing:
@@ -112,9 +113,12 @@ def build_llamacpp(cache: Path, jobs: int, no_amx: bool = False) -> tuple[Path, 
     env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
     no_amx_flags = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     extra = [f"-DCMAKE_C_FLAGS={no_amx_flags}", f"-DCMAKE_CXX_FLAGS={no_amx_flags}"] if no_amx else []
+    if isa == "avx2":
+        extra = ["-DGGML_NATIVE=OFF", *(f"-DGGML_{f}=ON" for f in ("AVX", "AVX2", "FMA", "F16C", "BMI2"))]
     if not (build / "build.ninja").is_file():
         run(["nice", "-n", "19", VENV_BIN / "cmake", "-S", tree, "-B", build, "-G", "Ninja",
-             "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+             "-DCMAKE_BUILD_TYPE=Release", *(["-DGGML_NATIVE=ON"] if isa != "avx2" else []),
+             "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
              "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF", *extra], env=env)
     log(f"building {', '.join(missing)} with {jobs} job(s) at nice 19 (minutes on a small machine)")
     run(["nice", "-n", "19", VENV_BIN / "ninja", "-C", build, f"-j{jobs}", *missing], env=env)
@@ -336,6 +340,9 @@ def main() -> int:
     ap.add_argument("--build-only", action="store_true", help="build llama.cpp and stop")
     ap.add_argument("--no-amx", dest="no_amx", action="store_true",
                     help="use a llama.cpp build without AMX kernels (build-noamx), for hosts where they fault")
+    ap.add_argument("--isa", choices=("native", "avx2"), default="native",
+                    help="avx2: both sides as on an AVX2-only CPU (llama.cpp built for AVX2; MiniGPT with "
+                         "ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2): an indication on an AVX-512 host")
     ap.add_argument("--precisions", default="F32,F16,BF16,Q8_0,Q4_0", help="llama.cpp types, comma-separated")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians reported; >= 3 for a table)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads on both sides")
@@ -355,10 +362,12 @@ def main() -> int:
     if bad or args.rounds < 1:
         ap.error(f"unknown precisions {bad} (choose from {list(PRECISIONS)}) or --rounds < 1")
     cache = Path(args.cache)
-    tree, bins = build_llamacpp(cache, args.jobs, args.no_amx)
+    tree, bins = build_llamacpp(cache, args.jobs, args.no_amx, args.isa)
     if args.build_only:
         print(f"llama.cpp tools in {bins}")
         return 0
+    if args.isa == "avx2":  # before torch loads (ATen reads it once); the CLI calls inherit it
+        os.environ.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
 
     import torch
 
@@ -389,12 +398,14 @@ def main() -> int:
                 log(f"round {r + 1}/{args.rounds} {kind}: llama.cpp {samples['llama'][kind][-1]} | MiniGPT "
                     f"{samples['minigpt'][kind][-1]}" + ("" if args.no_cli else f" | {samples['cli'][kind][-1]}"))
     report = table(samples, types, args)
+    restricted = ("; both sides restricted to AVX2 (llama.cpp built for it, MiniGPT under ATEN_CPU_CAPABILITY=avx2 "
+                  "and ONEDNN_MAX_CPU_ISA=AVX2)") if args.isa == "avx2" else ""
     footer = (f"\n{cpu}; {args.threads} threads; torch {torch.__version__}; {args.rounds} interleaved round(s), "
               f"medians; MiniGPT in-process {'eager' if args.no_compile else 'compiled decode step'}"
               f"{'' if args.no_compile else (' (torch.compile)' if args.no_aoti else ' (AOTInductor)')}, CLI "
               f"{'--compile' if args.cli_compile else 'eager'}; load average {_load(load_before)} -> {_load(os.getloadavg())}; "
               f"weights {args.preset or args.model}; llama.cpp from {tree.parents[1].name}"
-              f"{' built without AMX' if args.no_amx else ''}")
+              f"{' built without AMX' if args.no_amx and args.isa != 'avx2' else ''}{restricted}")
     print(report + footer)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"samples": samples, "cpu": cpu, "args": vars(args)}, indent=1))

@@ -77,11 +77,13 @@ def source_digest() -> str:
 
 @lru_cache(maxsize=1)
 def isa() -> str:
-    """The CPU's model and flags (Linux ``/proc/cpuinfo``), else the platform: Inductor's C++ is built for them."""
+    """The CPU's model and flags (Linux ``/proc/cpuinfo``), else the platform, and the instruction-set caps
+    ``$ATEN_CPU_CAPABILITY`` and ``$ONEDNN_MAX_CPU_ISA``: Inductor's C++ is built for them."""
+    caps = " | ".join(os.environ.get(k, "") for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"))
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         picked = [ln.split(":", 1)[1].strip() for ln in lines if ln.startswith(("flags", "model name"))][:2]
-        return " | ".join(picked)
+        return " | ".join([*picked, caps])
     except OSError:
         return f"{platform.machine()} {platform.processor()}"
 

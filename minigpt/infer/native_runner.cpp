@@ -19,7 +19,7 @@
 // `name dtype offset ndim size... stride...`, sizes and strides in elements, the offset in bytes) and, when the step
 // multiplies int8 matrices through FBGEMM (the `minigpt::w8a8_mm` op, minigpt/infer/fastpath/library.py),
 // `w8a8.txt`: one `weight_name scale_name` pair per such matrix, multiplied in place by MiniGPT's own kernel
-// (w8a8_kernel.cpp) on a CPU with AVX512-VNNI, else packed for FBGEMM when the bundle is opened.
+// (w8a8_kernel.cpp) on a CPU with AVX512-VNNI or AVX2, else packed for FBGEMM when the bundle is opened.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/quantized/PackedParams.h>
@@ -47,6 +47,7 @@
 
 namespace minigpt_w8a8 {  // w8a8_kernel.cpp
 bool available();
+const char* isa_name();
 void quantize(const float* x, int64_t rows, int64_t in, int64_t padded, int8_t* q, int32_t* sum);
 void product(const int8_t* q, const int32_t* qsum, int64_t rows, int64_t padded, const int8_t* w, int64_t in,
              const float* scale, int64_t n0, int64_t n1, float* y, int64_t ldy);
@@ -134,13 +135,24 @@ void w8a8_adopt(int64_t address, int64_t rows, int64_t cols, const Packed& packe
       PackedMatrix{{packed}, scale.to(at::kFloat).contiguous(), rows, cols};
 }
 
+// minigpt::w8a8_register(address, rows, cols, scale): a matrix that MiniGPT's kernel multiplies in place for every
+// row count, with no packed copy (a Python process on a CPU without VNNI, where FBGEMM's product saturates).
+void w8a8_register(int64_t address, int64_t rows, int64_t cols, const at::Tensor& scale) {
+  TORCH_CHECK(minigpt_w8a8::available(), "minigpt::w8a8_register: MiniGPT's int8 kernel does not run on this CPU");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == rows, "minigpt::w8a8_register: scale must be [", rows, "]");
+  std::lock_guard<std::mutex> lock(packed_mutex);
+  packed_weights[reinterpret_cast<const void*>(address)] =
+      PackedMatrix{{}, scale.to(at::kFloat).contiguous(), rows, cols};
+}
+
 void w8a8_forget(int64_t address) {
   std::lock_guard<std::mutex> lock(packed_mutex);
   packed_weights.erase(reinterpret_cast<const void*>(address));
 }
 
-// minigpt::w8a8_isa(): which kernel takes calls of up to kOwnRows rows, "avx512_vnni" (MiniGPT's) or "fbgemm".
-std::string w8a8_isa() { return minigpt_w8a8::available() ? "avx512_vnni" : "fbgemm"; }
+// minigpt::w8a8_isa(): which kernel takes calls of up to kOwnRows rows (and every call on a matrix without a packed
+// copy): MiniGPT's, "avx512_vnni" or "avx2", else "fbgemm".
+std::string w8a8_isa() { return minigpt_w8a8::isa_name(); }
 
 // Define the op unless this process has (a Python process that imported MiniGPT's fast path defines it, with its
 // shape function for tracing) and give it this C++ kernel; refused where the op has a CPU kernel already (the
@@ -161,6 +173,7 @@ void register_w8a8_op() {
   definition->def("w8a8_adopt(int address, int rows, int cols, "
                   "__torch__.torch.classes.quantized.LinearPackedParamsBase packed, Tensor scale) -> ()",
                   TORCH_FN(w8a8_adopt));
+  definition->def("w8a8_register(int address, int rows, int cols, Tensor scale) -> ()", TORCH_FN(w8a8_register));
   definition->def("w8a8_forget(int address) -> ()", TORCH_FN(w8a8_forget));
   definition->def("w8a8_isa() -> str", TORCH_FN(w8a8_isa));
   auto implementation = std::make_unique<torch::Library>(torch::Library::IMPL, "minigpt", c10::DispatchKey::CPU,
@@ -260,7 +273,7 @@ void load_bundle(Runner& r, const std::string& dir) {
 }
 
 // Enter the matrices w8a8.txt names for the op. The runner's steps multiply one row at a time, which MiniGPT's
-// kernel does from the mapped matrix itself where the CPU has VNNI: nothing to pack. Elsewhere they are packed for
+// kernel does from the mapped matrix itself where it runs (VNNI or AVX2): nothing to pack. Elsewhere they are packed for
 // FBGEMM on `threads` threads; FBGEMM packs a matrix on one core at ~0.1-0.2 GB/s (measured: SmolLM-135M's 28 MB
 // int8 LM head 0.31-0.34 s), so matrices of kSplitRows rows or more are packed in one block of rows per thread.
 void pack_w8a8(Runner& r, const std::string& dir, int threads) {

@@ -193,7 +193,8 @@ using BlockFn = void (*)(const Args&);
 enum Isa { kScalar = 0, kAvx2 = 1, kVnni = 2 };
 const char* const kIsaNames[] = {"scalar", "avx2", "avx512_vnni"};
 
-// The best path this CPU runs, capped by $MINIGPT_Q4_ISA; read once.
+// The best path this CPU runs, capped by $ATEN_CPU_CAPABILITY (PyTorch's switch: avx2 or default, as ATen and
+// Inductor's code follow it) and by $MINIGPT_Q4_ISA; read once.
 Isa chosen_isa() {
   static const Isa isa = [] {
     __builtin_cpu_init();
@@ -203,6 +204,9 @@ Isa chosen_isa() {
     if (best == kAvx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
       best = kVnni;
+    const char* aten = std::getenv("ATEN_CPU_CAPABILITY");
+    if (aten != nullptr && (std::string(aten) == "avx2" || std::string(aten) == "AVX2")) best = std::min(best, kAvx2);
+    if (aten != nullptr && (std::string(aten) == "default" || std::string(aten) == "DEFAULT")) best = kScalar;
     const char* cap = std::getenv("MINIGPT_Q4_ISA");
     if (cap != nullptr) {
       for (int i = 0; i < 3; ++i)

@@ -1,5 +1,6 @@
 // MiniGPT's own int8 x int8 product for a few activation rows (decode steps): the kernel the op minigpt::w8a8_mm
-// (native_runner.cpp) uses for up to kMaxRows rows on a CPU with AVX512-VNNI, in place of FBGEMM's. It reads the
+// (native_runner.cpp) uses for up to 4 rows on a CPU with AVX512-VNNI, in place of FBGEMM's, and for every call on a
+// CPU with AVX2 but not VNNI, where FBGEMM's product is not exact (rows_avx2 below). It reads the
 // int8 matrix as it lies in memory, row by row, so nothing has to be repacked when a bundle is opened: FBGEMM's
 // packing of SmolLM-135M's int8 matrices took 0.5-0.75 s of a ~2 s one-shot CLI call (docs/benchmarks.md).
 //
@@ -29,28 +30,44 @@
 
 namespace minigpt_w8a8 {
 
-constexpr int kMaxRows = 4;       // activation rows sharing one pass over the weights
+enum Isa { kNone = 0, kAvx2 = 1, kVnni = 2 };
+
+constexpr int kMaxRows = 4;       // activation rows sharing one pass over the weights (AVX2: 2, its 16 registers)
 constexpr int kOutRows = 4;       // weight rows per pass (8 for one or two activation rows: no faster, measured)
 // Bytes ahead of each weight row's read to prefetch; without, the product ran no faster than FBGEMM's (SmolLM-135M's
 // 120 layer matrices, one row, 2 threads, Xeon model 207: 1.00x FBGEMM; 4 KB 1.44x, 8 KB 1.52x, 16 KB 1.44x).
 constexpr int64_t kPrefetch = 8192;
 
-// Whether this kernel runs here: AVX512-VNNI (and BW for the byte loads), unless $MINIGPT_W8A8_KERNEL=fbgemm keeps
-// FBGEMM for every call (A/B measurements). Read once.
-bool available() {
-  static const bool ok = [] {
+// Which path runs here, read once: AVX512-VNNI (with BW for the byte loads), else AVX2, else none. Capped by
+// $ATEN_CPU_CAPABILITY (PyTorch's switch for running as on an older CPU: avx2, or default for none) and by
+// $MINIGPT_W8A8_ISA=avx2 (tests of the AVX2 path on a VNNI CPU); $MINIGPT_W8A8_KERNEL=fbgemm turns the kernel off
+// (every call to FBGEMM, A/B measurements).
+Isa isa() {
+  static const Isa chosen = [] {
     __builtin_cpu_init();
     const char* choice = std::getenv("MINIGPT_W8A8_KERNEL");
-    if (choice != nullptr && std::string(choice) == "fbgemm") return false;
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vnni");
+    if (choice != nullptr && std::string(choice) == "fbgemm") return kNone;
+    Isa best = __builtin_cpu_supports("avx2") ? kAvx2 : kNone;
+    if (best == kAvx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vnni"))
+      best = kVnni;
+    const char* aten = std::getenv("ATEN_CPU_CAPABILITY");
+    if (aten != nullptr && std::string(aten) == "avx2" && best > kAvx2) best = kAvx2;
+    if (aten != nullptr && std::string(aten) == "default") best = kNone;
+    const char* cap = std::getenv("MINIGPT_W8A8_ISA");
+    if (cap != nullptr && std::string(cap) == "avx2" && best > kAvx2) best = kAvx2;
+    return best;
   }();
-  return ok;
+  return chosen;
 }
+
+bool available() { return isa() != kNone; }
+
+const char* isa_name() { return isa() == kVnni ? "avx512_vnni" : isa() == kAvx2 ? "avx2" : "fbgemm"; }
 
 // Round `rows` rows of x ([rows, in]) to int8 into q ([rows, padded], padded = in rounded up to 64, zeros after
 // `in`) and each row's sum into sum: FBGEMM's steps, vectorised as it vectorises them.
-__attribute__((target("avx512f,avx512bw"))) void quantize(const float* x, int64_t rows, int64_t in, int64_t padded,
+__attribute__((target("avx512f,avx512bw"))) void quantize_avx512(const float* x, int64_t rows, int64_t in, int64_t padded,
                                                            int8_t* q, int32_t* sum) {
   const __m512 zero_point = _mm512_set1_ps(128.0f), top = _mm512_set1_ps(255.0f), bottom = _mm512_setzero_ps();
   for (int64_t m = 0; m < rows; ++m) {
@@ -66,6 +83,42 @@ __attribute__((target("avx512f,avx512bw"))) void quantize(const float* x, int64_
     }
     sum[m] = _mm512_reduce_add_epi32(s);
   }
+}
+
+// The same numbers with AVX2: eight floats at a time, four vectors of int32 narrowed to 32 bytes by saturating
+// packs (exact: every value lies in -128..127) and put back in order across the two 128-bit lanes.
+__attribute__((target("avx2"))) void quantize_avx2(const float* x, int64_t rows, int64_t in, int64_t padded,
+                                                   int8_t* q, int32_t* sum) {
+  const __m256 zero_point = _mm256_set1_ps(128.0f), top = _mm256_set1_ps(255.0f), bottom = _mm256_setzero_ps();
+  const __m256i offset = _mm256_set1_epi32(128), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t m = 0; m < rows; ++m) {
+    __m256i s = _mm256_setzero_si256();
+    for (int64_t k = 0; k < padded; k += 32) {
+      __m256i r[4];
+      for (int j = 0; j < 4; ++j) {
+        const int64_t at = k + 8 * j, live = in - at >= 8 ? 8 : in > at ? in - at : 0;  // past `in`: x = 0, q = 0
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(live)),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256 t = _mm256_add_ps(_mm256_maskload_ps(x + m * in + (live ? at : 0), mask), zero_point);
+        t = _mm256_max_ps(_mm256_min_ps(t, top), bottom);  // min(NaN, 255) is 255, as FBGEMM's min(NaN, limit)
+        r[j] = _mm256_sub_epi32(_mm256_cvtps_epi32(t), offset);  // ties to even
+        s = _mm256_add_epi32(s, r[j]);
+      }
+      __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + m * padded + k), _mm256_permutevar8x32_epi32(bytes, order));
+    }
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+    sum[m] = _mm_cvtsi128_si32(h);
+  }
+}
+
+void quantize(const float* x, int64_t rows, int64_t in, int64_t padded, int8_t* q, int32_t* sum) {
+  if (isa() == kVnni)
+    quantize_avx512(x, rows, in, padded, q, sum);
+  else
+    quantize_avx2(x, rows, in, padded, q, sum);
 }
 
 // Output rows [n0, n1) for M activation rows: y[m * ldy + n].
@@ -109,15 +162,59 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_vnni(const int8
   }
 }
 
+// AVX2 has no byte dot product that cannot saturate (`vpmaddubsw` adds pairs in 16 bits: 2 x 255 x 127 > 32767,
+// why FBGEMM's AVX2 product is not exact), so both operands are widened to 16 bits (`vpmovsxbw`) and multiplied
+// with `vpmaddwd`, pairs summed into int32: exact for every pair of int8 values, and signed x signed, so no offset.
+// 16 inputs per instruction, four weight rows sharing each activation load; a row's eight lanes summed at its end,
+// inputs past the last multiple of 16 one by one.
+template <int M>
+__attribute__((target("avx2"))) void rows_avx2(const int8_t* q, const int32_t* qsum, int64_t padded, const int8_t* w,
+                                               int64_t in, const float* scale, int64_t n0, int64_t n1, float* y,
+                                               int64_t ldy) {
+  (void)qsum;
+  const int64_t full = in / 16 * 16;
+  for (int64_t n = n0; n < n1; n += kOutRows) {
+    const int R = static_cast<int>(n1 - n < kOutRows ? n1 - n : kOutRows);
+    __m256i acc[M][kOutRows];
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < kOutRows; ++r) acc[m][r] = _mm256_setzero_si256();
+    const int8_t* row[kOutRows];
+    for (int r = 0; r < kOutRows; ++r) row[r] = w + (n + (r < R ? r : 0)) * in;  // spare lanes reread row n
+    for (int64_t k = 0; k < full; k += 16) {
+      if ((k & 63) == 0)
+        for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(row[r] + k) + kPrefetch, _MM_HINT_T0);
+      __m256i qv[M];
+      for (int m = 0; m < M; ++m)
+        qv[m] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + m * padded + k)));
+      for (int r = 0; r < kOutRows; ++r) {
+        const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row[r] + k)));
+        for (int m = 0; m < M; ++m) acc[m][r] = _mm256_add_epi32(acc[m][r], _mm256_madd_epi16(wv, qv[m]));
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) {
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc[m][r]), _mm256_extracti128_si256(acc[m][r], 1));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+        int32_t total = _mm_cvtsi128_si32(h);
+        for (int64_t k = full; k < in; ++k) total += static_cast<int32_t>(q[m * padded + k]) * row[r][k];
+        y[m * ldy + n + r] = static_cast<float>(total) * scale[n + r];
+      }
+  }
+}
+
 // Output rows [n0, n1) of the product (y[m * ldy + n]) for `rows` activation rows, q and qsum from quantize, kMaxRows
 // activation rows per pass over the weights.
 void product(const int8_t* q, const int32_t* qsum, int64_t rows, int64_t padded, const int8_t* w, int64_t in,
              const float* scale, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   using Pass = void (*)(const int8_t*, const int32_t*, int64_t, const int8_t*, int64_t, const float*, int64_t,
                         int64_t, float*, int64_t);
-  static const Pass passes[kMaxRows] = {rows_vnni<1>, rows_vnni<2>, rows_vnni<3>, rows_vnni<4>};
-  for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
-    int64_t n = rows - m0 < kMaxRows ? rows - m0 : kMaxRows;
+  static const Pass vnni[kMaxRows] = {rows_vnni<1>, rows_vnni<2>, rows_vnni<3>, rows_vnni<4>};
+  static const Pass avx2[2] = {rows_avx2<1>, rows_avx2<2>};
+  const Pass* passes = isa() == kVnni ? vnni : avx2;
+  const int64_t most = isa() == kVnni ? kMaxRows : 2;
+  for (int64_t m0 = 0; m0 < rows; m0 += most) {
+    int64_t n = rows - m0 < most ? rows - m0 : most;
     passes[n - 1](q + m0 * padded, qsum + m0, padded, w, in, scale, n0, n1, y + m0 * ldy, ldy);
   }
 }

@@ -38,6 +38,7 @@ import torch
 from torch._guards import TracingContext, tracing
 
 from minigpt.infer.fastpath.aoti import SUFFIX, PackagedStep, export_package
+from minigpt.infer.fastpath.library import OwnInt8
 from minigpt.infer.fastpath.step import compile_step
 
 # Shared with the torch-free launcher, which must find the same cache and compute the same keys without torch.
@@ -49,7 +50,7 @@ from minigpt.infer.launcher import trusted as _trusted
 
 def _tensor_signature(t: Any, any_length: bool = False) -> str:
     if t is not None and not isinstance(t, torch.Tensor):  # Proj.w8a8: FBGEMM's packed weight (library.w8a8_layout)
-        return "w8a8"
+        return repr(t) if isinstance(t, OwnInt8) else "w8a8"  # or the mark of MiniGPT's kernel alone
     if t is None:
         return "-"
     if any_length:  # a cache tensor of a package exported for every cache length: its layout without the length

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minigpt.infer.fastpath.library import aten_woq_linear, q4_linear, w8a8_linear
+from minigpt.infer.fastpath.library import OWN_INT8, aten_woq_linear, q4_linear, w8a8_linear
 from minigpt.model.quant import Int4Linear, Int8Linear, dequantize_weight_int4, int4_linear, int8_linear
 from minigpt.runtime import native_bf16
 
@@ -92,15 +92,18 @@ class Proj:
         once per call, because CPUs without native bf16 run half-precision GEMMs ~100x slower than fp32 ones.
         int8 weights packed for FBGEMM (:func:`w8a8_layout`): any number of rows through :func:`w8a8_linear`, so
         that a row's result never depends on how many rows share the call (a prompt prefilled beside others, a
-        chunked prefill, a decode step: the same numbers). int4 weights in MiniGPT's int4 x int8 layout
+        chunked prefill, a decode step: the same numbers); held by MiniGPT's kernel alone
+        (:data:`~minigpt.infer.fastpath.library.OWN_INT8`, AVX2 without VNNI): up to :data:`DECODE_ROWS_MAX` rows so,
+        more through the float path below. int4 weights in MiniGPT's int4 x int8 layout
         (:func:`~minigpt.infer.fastpath.library.q4_layout`): up to :data:`INT4_ATEN_ROWS_MAX` rows through
         :func:`~minigpt.infer.fastpath.library.q4_linear`, as in the compiled step. int8/int4 weights given ATen's layout
         (:func:`aten_woq_layout`): a few rows (int4: up to :data:`INT4_ATEN_ROWS_MAX`) through ATen's weight-only
         kernels on bf16 activations (the compiled step's numerics); more rows through the dequantized GEMM, in bf16
         on CPUs with native bf16 (:meth:`_bf16_gemm`), else in float32."""
         w, rows = self.weight, x.numel() // x.shape[-1]
-        if self.w8a8 is not None:  # FBGEMM, as in the compiled step, for every row count
-            return w8a8_linear(self, x)
+        if self.w8a8 is not None and (self.w8a8 is not OWN_INT8 or rows <= DECODE_ROWS_MAX):
+            return w8a8_linear(self, x)  # as in the compiled step: FBGEMM for every row count, MiniGPT's kernel alone
+            # (AVX2 without VNNI) for a few
         if self.q4 and rows <= INT4_ATEN_ROWS_MAX:  # int4 x int8, as in the compiled step
             return q4_linear(self, x)
         group_size = self.group_size

@@ -56,8 +56,35 @@ def aten_woq_wanted(kernel: str) -> bool:
 
 
 def w8a8_wanted(kernel: str) -> bool:
-    """Whether ``kernel`` (one of :data:`WOQ_KERNELS`) sends int8 projections through :func:`w8a8_linear` here."""
-    return kernel in ("auto", "w8a8") and w8a8_available()
+    """Whether ``kernel`` (one of :data:`WOQ_KERNELS`) may send int8 projections through :func:`w8a8_linear` here:
+    with FBGEMM where :func:`w8a8_available`, else, on an AVX2 CPU, through MiniGPT's own kernel alone
+    (:func:`w8a8_layouts` decides, once it knows that kernel builds)."""
+    return kernel in ("auto", "w8a8") and (w8a8_available() or "avx2" in cpu_flags())
+
+
+class OwnInt8:
+    """What :attr:`Proj.w8a8` holds for an int8 matrix that MiniGPT's C++ kernel multiplies in place for every row
+    count (``minigpt::w8a8_mm``; CPUs with AVX2 but not AVX512-VNNI, where FBGEMM's product is not exact): there is
+    no packed copy. Eager products of more than a few rows (prefill) stay on the float path."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "OWN_INT8"
+
+
+OWN_INT8 = OwnInt8()
+
+
+def own_int8_isa() -> Optional[str]:
+    """The instruction set of MiniGPT's C++ int8 kernel here (``"avx512_vnni"`` or ``"avx2"``), None where the
+    runner library does not build or the kernel does not run. Builds the library the first time (~25 s)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the Python kernel's warning: irrelevant to this question
+        if w8a8_kernel() != "c++":
+            return None
+    isa = str(torch.ops.minigpt.w8a8_isa())
+    return None if isa == "fbgemm" else isa
 
 
 def aten_woq_layout(p: Proj) -> bool:
@@ -170,6 +197,8 @@ def w8a8_layouts(projections: list[Proj]) -> list[bool]:
     matrix on one core at ~0.24 GB/s (SmolLM-135M's 163 MB of int8: ~0.7 s), and the packing releases the GIL."""
     todo = [p for p in projections if p.scale is not None and p.scale.dim() == 1 and p.weight is not None
             and p.weight.dtype == torch.int8 and p.weight.device.type == "cpu"]
+    if todo and not w8a8_available() and "avx2" in cpu_flags() and own_int8_isa() == "avx2":
+        return _own_layouts(projections, todo)
     if not todo or not w8a8_available():
         return [False] * len(projections)
     engine = torch.backends.quantized.engine
@@ -201,6 +230,21 @@ def w8a8_layouts(projections: list[Proj]) -> list[bool]:
     return [id(p) in done for p in projections]
 
 
+def _own_layouts(projections: list[Proj], todo: list[Proj]) -> list[bool]:
+    """:func:`w8a8_layouts` on an AVX2 CPU without VNNI: each int8 matrix handed to the C++ kernel as it lies in
+    memory (``minigpt::w8a8_register``), ``p.w8a8`` = :data:`OWN_INT8`. Why: the compiled step's generated loops
+    convert every int8 weight to float32 (about three instructions per eight weights, and as many to pick the bytes
+    out of their words) where the kernel widens 16 bytes with one and multiplies them with one (``vpmaddwd``)."""
+    with _KERNEL_LOCK:
+        for p in todo:
+            key = _packed_key(p.weight)
+            torch.ops.minigpt.w8a8_register(key[0], *key[1], p.scale)
+            weakref.finalize(p.weight, _forget, key).atexit = False
+            p.w8a8 = OWN_INT8
+    done = {id(p) for p in todo}
+    return [id(p) in done for p in projections]
+
+
 def w8a8_linear(p: Proj, x: torch.Tensor) -> torch.Tensor:
     """``p(x)`` with the activations rounded to 8 bits as well: ``x`` ``[..., in]`` -> ``[..., out]`` in ``x``'s dtype,
     any number of rows.
@@ -217,9 +261,10 @@ def w8a8_linear(p: Proj, x: torch.Tensor) -> torch.Tensor:
     as with ATen's kernel and with float activations (the int8 weights' rounding decides there)."""
     x2 = x.reshape(-1, x.shape[-1]).float()
     s = x2.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30) / 127.0  # [rows, 1]
-    if p.w8a8 is not None and not torch.compiler.is_compiling():  # eager: no trip through the op and its lookup
+    fbgemm = p.w8a8 is not None and p.w8a8 is not OWN_INT8
+    if fbgemm and not torch.compiler.is_compiling():  # eager: no trip through the op and its lookup
         y = _W8A8_MM(x2 / s, 1.0, 128, p.w8a8) * s
-    else:  # a traced step (its projections carry no packed object): the op finds it
+    else:  # a traced step (its projections carry no packed object), or MiniGPT's kernel alone: the op finds it
         y = torch.ops.minigpt.w8a8_mm(x2 / s, p.weight) * s
     if p.bias is not None:
         y = y + p.bias.float()

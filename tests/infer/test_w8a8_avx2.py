@@ -1,0 +1,113 @@
+"""MiniGPT's int8 x int8 kernel on its AVX2 path (``minigpt/infer/w8a8_kernel.cpp``, ``rows_avx2``), which takes the
+int8 projections of decode steps on CPUs with AVX2 but not AVX512-VNNI (FBGEMM's AVX2 product saturates there).
+
+The kernel picks its path once per process, so each check runs in a child process with the path capped:
+``MINIGPT_W8A8_ISA=avx2`` (the kernel), ``ATEN_CPU_CAPABILITY=avx2`` (PyTorch, and MiniGPT's reading of the CPU
+flags: :func:`minigpt.runtime.cpu_flags`) and ``ONEDNN_MAX_CPU_ISA=AVX2`` (oneDNN: no native bf16), as on an
+AVX2-only CPU. Checked: the exact integer product, FBGEMM's
+quantizer quirks and weights of -128 (a file may hold them) included; which projections take it; a row's decode
+logits the same alone and in a batch; and eager prefill of many rows kept on the float path."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import CLI_ENV
+
+from minigpt.runtime import cpu_flags
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [
+    pytest.mark.skipif("avx2" not in cpu_flags(), reason="the kernel's AVX2 path needs an AVX2 CPU"),
+    pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
+                       reason="no C++ compiler for the runner library"),
+]
+
+PRODUCT = """
+import torch
+from minigpt.infer.fastpath import library
+from minigpt.model.quant import quantize_weight
+print(library.own_int8_isa())
+# FBGEMM's quantizer: x + 128 rounded to float32 first, ties to even, NaN to the top, clipped to 0..255, then - 128
+SPECIAL = [1.4999999, -2.4999998, 0.49999997, 2.5, -0.5, 127.4, -128.6, 300.0, -300.0, float("nan"), float("inf"),
+           -float("inf")]
+
+def exact(x, w, s):
+    t = (x + 128.0).float()
+    t = torch.where(t.isnan(), torch.full_like(t, 255.0), t).clamp(0, 255)
+    return ((torch.round(t) - 128).double() @ w.double().T).float() * s
+
+keep = []
+for out, n_in in [(1, 1), (48, 96), (130, 577), (33, 17), (64, 1536)]:
+    torch.manual_seed(out)
+    q, s = quantize_weight(torch.randn(out, n_in))
+    q.view(-1)[::7] = -128  # outside the quantizer's -127..127: a hostile or foreign file
+    keep.append(q)
+    torch.ops.minigpt.w8a8_register(q.data_ptr(), out, n_in, s)
+    for rows in range(1, 7):
+        x = torch.randn(rows, n_in) * 40
+        flat = x.view(-1)
+        flat[:len(SPECIAL)] = torch.tensor(SPECIAL)[:flat.numel()]
+        got = torch.ops.minigpt.w8a8_mm(x, q)
+        print(out, n_in, rows, torch.equal(got, exact(x, q, s)))
+"""
+
+
+def _child(code: str, *args: str, capped: bool = True) -> list[str]:
+    env = {**CLI_ENV, **({"MINIGPT_W8A8_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"} if capped else {})}
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip().splitlines()
+
+
+@pytest.mark.parametrize("capped", [True, False])
+def test_the_product_is_exact(capped):
+    """The integer sums exact and FBGEMM's rounding of the activations, on the AVX2 path and (uncapped) on whatever
+    path this CPU runs: both equal the reference computed in float64, for 1-6 rows (the AVX2 path takes two per
+    pass), inputs not a multiple of 16 (the tail one by one) and weights of -128 (the widening to 16 bits makes
+    every int8 pair exact; the sign trick of ``vpmaddubsw`` would overflow there)."""
+    isa, *lines = _child(PRODUCT, capped=capped)
+    assert isa == ("avx2" if capped else "avx512_vnni" if "avx512_vnni" in cpu_flags() else "avx2")
+    assert len(lines) == 30 and all(line.endswith("True") for line in lines), lines
+
+
+STEPS = """
+import sys
+import torch
+sys.path.insert(0, "tests")
+from conftest import random_model
+from minigpt.infer.fastpath import prepare
+from minigpt.infer.fastpath.library import OWN_INT8, w8a8_available
+torch.manual_seed(0)
+shape = dict(vocab_size=61, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=96, multiple_of=16)
+fast = prepare(random_model(shape, noise=0.05), quantize="int8")
+projections = [fast.head] + [q for lw in fast.layers for q in (lw.wqkv, lw.wo, lw.w13, lw.w2)]
+print(w8a8_available(), all(p.w8a8 is OWN_INT8 for p in projections), fast.geometry.w8a8, fast.geometry.head_w8a8)
+words = prepare(random_model(shape, noise=0.05), quantize="int8", woq_kernel="words")
+print(any(p.w8a8 is not None for p in [words.head] + [q for lw in words.layers for q in (lw.wqkv, lw.w2)]))
+tokens = torch.tensor([[5, 17, 3, 40], [9, 2, 60, 11], [33, 33, 1, 8]])
+with torch.inference_mode():
+    def logits(rows):
+        cache = fast.new_kv_cache(rows.shape[0], 8)
+        return torch.stack([fast.decode_step(rows[:, i:i + 1], i, cache) for i in range(rows.shape[1])], 1)
+    batch = logits(tokens)
+    print(all(torch.equal(logits(tokens[i:i + 1])[0], batch[i]) for i in range(3)))
+    x = torch.randn(40, 64)
+    head = fast.head
+    want = (x @ head.weight.float().T) * head.scale  # float activations
+    few, many = head(x[:3]), head(x)  # 3 rows: the kernel (8-bit activations); 40: the float path
+    err = lambda a, b: ((a - b).norm() / b.norm()).item()
+    print(err(many, want) < 1e-6, err(few, want[:3]) > 1e-4, err(few, want[:3]) < 0.02)
+"""
+
+
+def test_decode_steps_take_it_and_prefill_stays_float():
+    """On an AVX2 CPU without VNNI every int8 projection of a decode step goes through the kernel (none under
+    ``woq_kernel="words"``); rows are quantized one by one, so a row's logits are the same alone and in a batch;
+    more than a few rows (prefill) stay on the float path, a few take the kernel (within 2 % of float, the
+    8-bit rounding of the activations)."""
+    lines = _child(STEPS)
+    assert lines == ["False True True True", "False", "True", "True True True"], lines
