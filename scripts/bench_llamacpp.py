@@ -342,7 +342,8 @@ def main() -> int:
                     help="use a llama.cpp build without AMX kernels (build-noamx), for hosts where they fault")
     ap.add_argument("--isa", choices=("native", "avx2"), default="native",
                     help="avx2: both sides as on an AVX2-only CPU (llama.cpp built for AVX2; MiniGPT with "
-                         "ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2): an indication on an AVX-512 host")
+                         "ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2 and MKL_ENABLE_INSTRUCTIONS=AVX2): an "
+                         "indication on an AVX-512 host")
     ap.add_argument("--precisions", default="F32,F16,BF16,Q8_0,Q4_0", help="llama.cpp types, comma-separated")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians reported; >= 3 for a table)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads on both sides")
@@ -367,7 +368,7 @@ def main() -> int:
         print(f"llama.cpp tools in {bins}")
         return 0
     if args.isa == "avx2":  # before torch loads (ATen reads it once); the CLI calls inherit it
-        os.environ.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
+        os.environ.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2", MKL_ENABLE_INSTRUCTIONS="AVX2")
 
     import torch
 
@@ -398,8 +399,8 @@ def main() -> int:
                 log(f"round {r + 1}/{args.rounds} {kind}: llama.cpp {samples['llama'][kind][-1]} | MiniGPT "
                     f"{samples['minigpt'][kind][-1]}" + ("" if args.no_cli else f" | {samples['cli'][kind][-1]}"))
     report = table(samples, types, args)
-    restricted = ("; both sides restricted to AVX2 (llama.cpp built for it, MiniGPT under ATEN_CPU_CAPABILITY=avx2 "
-                  "and ONEDNN_MAX_CPU_ISA=AVX2)") if args.isa == "avx2" else ""
+    restricted = ("; both sides restricted to AVX2 (llama.cpp built for it, MiniGPT under ATEN_CPU_CAPABILITY=avx2, "
+                  "ONEDNN_MAX_CPU_ISA=AVX2 and MKL_ENABLE_INSTRUCTIONS=AVX2)") if args.isa == "avx2" else ""
     footer = (f"\n{cpu}; {args.threads} threads; torch {torch.__version__}; {args.rounds} interleaved round(s), "
               f"medians; MiniGPT in-process {'eager' if args.no_compile else 'compiled decode step'}"
               f"{'' if args.no_compile else (' (torch.compile)' if args.no_aoti else ' (AOTInductor)')}, CLI "

@@ -111,3 +111,34 @@ def test_decode_steps_take_it_and_prefill_stays_float():
     8-bit rounding of the activations)."""
     lines = _child(STEPS)
     assert lines == ["False True True True", "False", "True", "True True True"], lines
+
+
+COMPILED = """
+import sys
+import torch
+sys.path.insert(0, "tests")
+from conftest import random_model
+from minigpt.infer.fastpath import prepare
+from minigpt.infer.fastpath.library import OWN_INT8
+shape = dict(vocab_size=61, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=96, multiple_of=16)
+tokens = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(3))
+outs = []
+with torch.inference_mode():
+    for compile in (False, True):
+        torch.manual_seed(0)
+        fast = prepare(random_model(shape, noise=0.05), quantize="int8", compile=compile)
+        assert fast.head.w8a8 is OWN_INT8 and fast.compiled == compile
+        cache = fast.new_kv_cache(2, 12)
+        fast(tokens[:, :6], 0, cache)
+        outs.append(torch.stack([fast.decode_step(tokens[:, i:i + 1], i, cache) for i in range(6, 12)], 1))
+print(((outs[1] - outs[0]).norm() / outs[0].norm()).item())
+"""
+
+
+@pytest.mark.slow  # compiles a step, ~30 s
+def test_the_compiled_step_takes_it_and_equals_eager():
+    """The compiled step (Inductor's AVX2 code) calls the kernel through ``minigpt::w8a8_mm`` on the same rows as
+    eager decode steps: the logits agree up to the layers' own eager/compiled difference (as on VNNI CPUs,
+    test_fastpath_w8a8.test_compiled_steps_equal_eager)."""
+    (err,) = _child(COMPILED)
+    assert float(err) < 2 ** -6
