@@ -33,6 +33,12 @@ What it does (``python scripts/bench_llamacpp.py [--model SRC | --preset small]`
    (per channel), Q4_0 = int4 weight-only (groups of 32, Q4_0's own layout). Ratios are MiniGPT / llama.cpp for
    rates and llama.cpp / MiniGPT for times, so > 1 means MiniGPT is faster. The CPU model, its SIMD flags, the
    thread count and the load average before and after are printed with the table (``--json FILE``: every sample).
+
+``--isa avx2`` runs both sides as on an AVX2-only CPU, for hosts that have more: llama.cpp built without
+``-march=native`` for AVX, AVX2, FMA, F16C and BMI2 (``build-avx2``), MiniGPT under ``ATEN_CPU_CAPABILITY=avx2``
+(ATen, Inductor's generated code and MiniGPT's own kernels), ``ONEDNN_MAX_CPU_ISA=AVX2`` and
+``MKL_ENABLE_INSTRUCTIONS=AVX2`` (oneMKL's GEMMs follow neither of the others). Same memory system on both sides:
+an indication for such CPUs, not a measurement on one.
 """
 from __future__ import annotations
 

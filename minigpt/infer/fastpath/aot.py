@@ -39,7 +39,7 @@ from torch._guards import TracingContext, tracing
 
 from minigpt.infer.fastpath.aoti import SUFFIX, PackagedStep, export_package
 from minigpt.infer.fastpath.library import OwnInt8
-from minigpt.infer.fastpath.step import compile_step
+from minigpt.infer.fastpath.step import compile_step, simd_options
 
 # Shared with the torch-free launcher, which must find the same cache and compute the same keys without torch.
 from minigpt.infer.launcher import ENV, cache_dir  # noqa: F401  (ENV: the variable's name, for callers)
@@ -68,7 +68,7 @@ def step_key(fp, batch: int, seq: int, cache_len: Optional[int], args: tuple = (
     (:func:`~minigpt.infer.fastpath.step.static_greedy_step`)."""
     parts: list[Any] = [torch.__version__, sys.version_info[:2], _source_digest(), _isa(), fp.compile_mode,
                         repr(fp.geometry), batch, seq, cache_len, torch.is_grad_enabled(),
-                        torch.is_inference_mode_enabled(), torch.get_num_threads()]
+                        torch.is_inference_mode_enabled(), torch.get_num_threads(), simd_options()]
     if greedy:  # appended only then: the keys of existing logits steps stay valid
         parts.append(("greedy", _tensor_signature(fp.screen.proj.words)))
     projections = [fp.head] + [q for lw in fp.layers for q in (lw.wqkv, lw.wo, lw.w13, lw.w2)]

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from minigpt.infer.fastpath.kernels import LayerWeights, Proj
-from minigpt.infer.fastpath.step import static_greedy_step, static_step
+from minigpt.infer.fastpath.step import simd_options, static_greedy_step, static_step
 
 SUFFIX = ".pt2"
 _SLOTS = ("weight", "scale", "bias", "words", "word_scale")  # Proj's tensors (w8a8 is FBGEMM's packed object)
@@ -145,7 +145,7 @@ def export_package(fp, example_args: tuple, path: Path, greedy: bool = False) ->
     file and renamed (readable by this user only); stale temporary files of killed compiles are removed first
     (:func:`remove_stale_partials`). Raises whatever export or Inductor raise."""
     # torch._inductor is one of torch's lazily imported modules: the heavy import happens here, when compiling.
-    configs = {"aot_inductor.package_constants_in_so": False, "size_asserts": False}
+    configs = {"aot_inductor.package_constants_in_so": False, "size_asserts": False, **simd_options()}
     if fp.compile_mode is not None:
         configs.update(torch._inductor.list_mode_options(fp.compile_mode))
     remove_stale_partials(path.parent)
