@@ -159,3 +159,49 @@ def test_the_arguments_dtypes_are_part_of_the_key():
             for dt in (torch.float32, torch.bfloat16)]
     keys = {aot.step_key(fp, 1, 1, 64, a) for a in args}
     assert len(keys) == 2 and aot.step_key(fp, 1, 1, 64) not in keys
+
+
+def test_the_loops_vector_width_is_256_bits_on_avx512_cpus_and_enters_the_key(monkeypatch):
+    """The step's loops are compiled for 256-bit vectors where the CPU has AVX-512 (measured faster there,
+    docs/benchmarks.md), the widest under ``MINIGPT_STEP_SIMDLEN=native``; a bad value is refused by name; the
+    width is part of the saved step's key, so a step saved under one setting is not loaded under another."""
+    from minigpt.infer.fastpath import step
+
+    monkeypatch.setattr(step, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    monkeypatch.delenv(step.SIMDLEN_ENV, raising=False)
+    assert step.simd_options() == {"cpp.simdlen": 256}
+    fp = FastPath(make(), compile=True)
+    default = aot.step_key(fp, 1, 1, 64)
+    for value, want in [("512", {"cpp.simdlen": 512}), ("native", {})]:
+        monkeypatch.setenv(step.SIMDLEN_ENV, value)
+        assert step.simd_options() == want
+        assert aot.step_key(fp, 1, 1, 64) != default
+    monkeypatch.setenv(step.SIMDLEN_ENV, "wide")
+    with pytest.raises(ValueError, match="MINIGPT_STEP_SIMDLEN"):
+        step.simd_options()
+    monkeypatch.setenv(step.SIMDLEN_ENV, "256")
+    monkeypatch.setattr(step, "cpu_flags", lambda: frozenset({"avx2"}))  # AVX2 only: Inductor's own choice
+    assert step.simd_options() == {}
+
+
+@pytest.mark.parametrize("capability, gone, kept", [("avx2", ("avx512f", "avx512_vnni", "amx_int8", "avx_vnni"),
+                                                             ("avx2", "fma")),
+                                                    ("default", ("avx2", "avx512f", "fma", "f16c"), ("sse4_2",)),
+                                                    ("", (), ("avx2", "avx512f"))])
+def test_aten_cpu_capability_caps_minigpts_reading_of_the_cpu_flags(monkeypatch, tmp_path, capability, gone, kept):
+    """``ATEN_CPU_CAPABILITY`` (PyTorch's switch for running as on an older CPU) drops the flags above it, so that
+    MiniGPT's kernel choices follow ATen's and Inductor's."""
+    from minigpt import runtime
+
+    cpuinfo = "processor: 0\nflags\t\t: sse4_2 avx avx2 fma f16c avx_vnni avx512f avx512_vnni amx_int8\n"
+    real_read = runtime.Path.read_text
+    monkeypatch.setattr(runtime.Path, "read_text",
+                        lambda self, *a, **k: cpuinfo if str(self) == "/proc/cpuinfo" else real_read(self, *a, **k))
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+    runtime.cpu_flags.cache_clear()
+    try:
+        flags = runtime.cpu_flags()
+    finally:
+        monkeypatch.undo()
+        runtime.cpu_flags.cache_clear()
+    assert not set(gone) & flags and set(kept) <= flags
