@@ -94,7 +94,10 @@ def load_step(path: Path) -> Callable:
     # building and dlopen-ing a probe library in subprocesses (~1-2 s); the file's key names this CPU's flags and
     # torch version, and the process that wrote it passed those tests.
     # (torch._inductor is one of torch's lazily imported modules: the attribute loads it here, not at start-up.)
-    with open(path, "rb") as f, tracing(TracingContext(None)), torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
+    # The vector width it was compiled for too (simd_options, part of its key): its kernels are built again from
+    # their source at load, and kernels of another width than the code that calls them abort the process.
+    configs = {"cpp.vec_isa_ok": True, **simd_options()}
+    with open(path, "rb") as f, tracing(TracingContext(None)), torch._inductor.config.patch(configs):
         return torch.compiler.load_compiled_function(f)
 
 
