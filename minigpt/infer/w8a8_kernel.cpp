@@ -85,6 +85,14 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_avx512(const float* x,
   }
 }
 
+// The sum of the eight int32 lanes of v.
+__attribute__((target("avx2"))) inline int32_t sum_lanes(__m256i v) {
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+  return _mm_cvtsi128_si32(h);
+}
+
 // The same numbers with AVX2: eight floats at a time, four vectors of int32 narrowed to 32 bytes by saturating
 // packs (exact: every value lies in -128..127) and put back in order across the two 128-bit lanes.
 __attribute__((target("avx2"))) void quantize_avx2(const float* x, int64_t rows, int64_t in, int64_t padded,
@@ -107,10 +115,7 @@ __attribute__((target("avx2"))) void quantize_avx2(const float* x, int64_t rows,
       __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + m * padded + k), _mm256_permutevar8x32_epi32(bytes, order));
     }
-    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
-    sum[m] = _mm_cvtsi128_si32(h);
+    sum[m] = sum_lanes(s);
   }
 }
 
@@ -193,10 +198,7 @@ __attribute__((target("avx2"))) void rows_avx2(const int8_t* q, const int32_t* q
     }
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < R; ++r) {
-        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc[m][r]), _mm256_extracti128_si256(acc[m][r], 1));
-        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
-        int32_t total = _mm_cvtsi128_si32(h);
+        int32_t total = sum_lanes(acc[m][r]);
         for (int64_t k = full; k < in; ++k) total += static_cast<int32_t>(q[m * padded + k]) * row[r][k];
         y[m * ldy + n + r] = static_cast<float>(total) * scale[n + r];
       }
