@@ -34,9 +34,10 @@ from typing import Callable, Optional, Sequence
 ENV = "MINIGPT_COMPILE_CACHE"
 FORMAT = 1  # of bundles and of launch_key: bump when either changes
 _PACKAGE = Path(__file__).resolve().parents[1]  # minigpt/
-# The runner library's sources, compiled into one library: the runner, and the int4 kernel it and Python processes
-# register for the `minigpt::q4_mm` op.
-RUNNER_SOURCES = tuple(_PACKAGE / "infer" / name for name in ("native_runner.cpp", "q4_kernel.cpp", "w8a8_kernel.cpp"))
+# The runner library's sources, compiled into one library: the runner, and the kernels it and Python processes
+# register for the `minigpt::q4_mm`, `minigpt::w8a8_mm` and `minigpt::woq8_mm` ops.
+RUNNER_SOURCES = tuple(_PACKAGE / "infer" / name
+                       for name in ("native_runner.cpp", "q4_kernel.cpp", "w8a8_kernel.cpp", "woq8_kernel.cpp"))
 # Their compiler flags (with the include paths and the ABI macro, minigpt.infer.fastpath.library.build_runner).
 # -fopenmp: ATen's parallel_for, which the int4 kernel's threads come from, is OpenMP inlined from the headers and
 # serial without it; the library then needs libgomp.so.1, which torch ships and has loaded already.
@@ -128,6 +129,14 @@ def install_q4_kernel(library: Path) -> None:
     naming the instruction set it runs. Raises :class:`NativeError` when the library cannot be loaded or the op
     already has another CPU kernel here."""
     _install(library, "mg_q4_install")
+
+
+def install_woq8_kernel(library: Path) -> None:
+    """Make the runner library's C++ function (``woq8_kernel.cpp``) the CPU kernel of ``minigpt::woq8_mm`` (float32
+    activations x int8 weights: the head screen, :mod:`minigpt.infer.fastpath.screen`) in this Python process, with
+    the ``minigpt::woq8_isa`` op naming the instruction set it runs. Raises :class:`NativeError` when the library
+    cannot be loaded or the op already has another CPU kernel here."""
+    _install(library, "mg_woq8_install")
 
 
 def _install(library: Path, symbol: str) -> None:

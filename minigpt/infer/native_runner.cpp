@@ -4,7 +4,8 @@
 // launcher (minigpt/cli/quick.py) loads this library with ctypes. Greedy decoding only. The same library gives a
 // Python process the C++ kernels of the int8 and int4 product ops its compiled steps call (minigpt::w8a8_mm, see
 // register_w8a8_op and minigpt/infer/fastpath/library.py, with MiniGPT's own kernel for a few rows in
-// w8a8_kernel.cpp; minigpt::q4_mm, q4_kernel.cpp; all three sources compiled into the same library).
+// w8a8_kernel.cpp; minigpt::q4_mm, q4_kernel.cpp; minigpt::woq8_mm, the head screen's, woq8_kernel.cpp; all four
+// sources compiled into the same library).
 //
 // The C interface (every function catches every C++ exception and reports it through `err`):
 //   mg_open(package, bundle_dir, threads, err, errlen) -> handle or NULL
@@ -13,6 +14,7 @@
 //   mg_close(handle)
 //   mg_w8a8_install(err, errlen) -> 0 or -1: in a Python process, the C++ kernel of the int8 product op
 //   mg_q4_install(err, errlen) -> 0 or -1: likewise for the int4 product op (q4_kernel.cpp)
+//   mg_woq8_install(err, errlen) -> 0 or -1: likewise for the head screen's product op (woq8_kernel.cpp)
 //
 // The bundle: `tensors.bin` (every tensor's bytes, 64-byte aligned, memory-mapped read-only: no copy),
 // `tensors.txt` (a header line `minigpt-native 1 n_layers n_kv_heads head_dim`, then one line per tensor:
@@ -374,7 +376,8 @@ int64_t screen_fallback(const Runner& r, const at::Tensor& h) {
 
 extern "C" {
 
-int mg_q4_install(char* err, int errlen);  // q4_kernel.cpp: minigpt::q4_mm's kernel
+int mg_q4_install(char* err, int errlen);    // q4_kernel.cpp: minigpt::q4_mm's kernel
+int mg_woq8_install(char* err, int errlen);  // woq8_kernel.cpp: minigpt::woq8_mm's kernel
 
 void* mg_open(const char* package, const char* bundle_dir, int threads, char* err, int errlen) {
   auto r = std::make_unique<Runner>();
@@ -384,6 +387,7 @@ void* mg_open(const char* package, const char* bundle_dir, int threads, char* er
     pack_w8a8(*r, bundle_dir, threads);  // before the package: its loader looks the op up
     char q4_err[512] = {0};
     if (mg_q4_install(q4_err, sizeof q4_err) != 0) throw std::runtime_error(q4_err);  // the int4 op, likewise
+    if (mg_woq8_install(q4_err, sizeof q4_err) != 0) throw std::runtime_error(q4_err);  // the head screen's op
     r->loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(package, "model", false, 1, -1);
     std::unordered_map<std::string, at::Tensor> wanted;
     for (const auto& name : r->loader->get_constant_fqns()) {

@@ -70,7 +70,7 @@ def step_key(fp, batch: int, seq: int, cache_len: Optional[int], args: tuple = (
                         repr(fp.geometry), batch, seq, cache_len, torch.is_grad_enabled(),
                         torch.is_inference_mode_enabled(), torch.get_num_threads(), simd_options()]
     if greedy:  # appended only then: the keys of existing logits steps stay valid
-        parts.append(("greedy", _tensor_signature(fp.screen.proj.words)))
+        parts.append(("greedy", _tensor_signature(fp.screen.proj.words), fp.screen.native))
     projections = [fp.head] + [q for lw in fp.layers for q in (lw.wqkv, lw.wo, lw.w13, lw.w2)]
     parts += [_tensor_signature(t) for t in (fp.embedding, fp.final_norm, fp.cos, fp.sin_signed)]
     parts += [(fp.final_eps,) + tuple((lw.attn_norm_eps, lw.ffn_norm_eps, _tensor_signature(lw.attn_norm))

@@ -99,7 +99,8 @@ class StepModule(nn.Module):
                                      sin_signed=self.sin_signed, final_eps=fp.final_eps, geometry=fp.geometry,
                                      head=self._proj("head"), layers=layers)
         if self.greedy:
-            view.screen = types.SimpleNamespace(proj=self._proj("screen"), bound=self.screen_bound)
+            view.screen = types.SimpleNamespace(proj=self._proj("screen"), bound=self.screen_bound,
+                                                native=fp.screen.native)
             return static_greedy_step(view, token, input_pos, pad, k_cache, v_cache)
         return static_step(view, token, input_pos, pad, k_cache, v_cache)
 

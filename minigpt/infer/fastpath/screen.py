@@ -11,8 +11,10 @@ Quantization", ICML 2020, re-ranking the candidates of a quantized score by exac
 The bound, per vocabulary row ``i`` with float weights ``w_i`` and ``h`` the final hidden state ``[dim]``:
 
 * the screen's row is ``w_i ~= s_i q_i`` (per-row symmetric int8, :func:`~minigpt.model.quant.quantize_weight`),
-  multiplied by the float32 activations in the compiled step's int8 loops
-  (:func:`~minigpt.infer.fastpath.kernels.int8_words`): ``a_i = s_i (h . q_i)`` in float32;
+  multiplied by the float32 activations, ``a_i = s_i (h . q_i)`` in float32, by MiniGPT's weight-only int8 kernel
+  (``minigpt::woq8_mm``, ``minigpt/infer/woq8_kernel.cpp``, :func:`woq8_kernel`) or, where it does not build,
+  the compiled step's int8 loops (:func:`~minigpt.infer.fastpath.kernels.int8_words`): the bound below holds for
+  either order of the sum;
 * ``|h . w_i - a_i| <= ||h||_2 ||w_i - s_i q_i||_2`` (Cauchy-Schwarz) plus float32 rounding: of the screen's
   sum, ``<= dim 2^-24 ||h||_2 ||s_i q_i||_2``, and of the float dot product the logits step computes,
   ``<= dim 2^-24 ||h||_2 ||w_i||_2`` (Higham, "Accuracy and Stability of Numerical Algorithms", eq. 3.5), of the
@@ -35,25 +37,72 @@ certified every position of both.
 """
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
 
 from minigpt.infer.fastpath.kernels import Proj, decode_linear, int8_words
+from minigpt.infer.fastpath.library import build_runner
+from minigpt.infer.launcher import cache_dir, install_woq8_kernel
 from minigpt.model.quant import quantize_weight
 
 SCREEN_K = 64  # rows recomputed exactly per token (64 x dim floats: 147 KB at dim 576, against a 113 MB head)
 _BUILD_ROWS = 2048  # rows per block while building a screen (4.7 MB of float32 at dim 576)
 
 
+# `minigpt::woq8_mm(x, words, scale)`: float32 rows x [rows, in] times an int8 matrix given as its bytes in float32
+# words [out, in / 4] (kernels.int8_words), per-row scales [out] -> [rows, out] float32. The reference kernel
+# below (CompositeExplicitAutograd: it always runs) and the C++ one (woq8_kernel.cpp, registered for CPU by
+# woq8_kernel()) differ only in the order of the float32 sum.
+_LIB = torch.library.Library("minigpt", "FRAGMENT")
+_LIB.define("woq8_mm(Tensor x, Tensor words, Tensor scale) -> Tensor")
+_WOQ8: list[str] = []  # once woq8_kernel has looked: the C++ kernel's instruction set, or "" (none here)
+_WOQ8_LOCK = threading.Lock()
+
+
+def _woq8_mm(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    q = words.contiguous().view(torch.int8)  # [out, in]: the words' bytes, little-endian as int8_words wrote them
+    return (x.float() @ q.float().T) * scale
+
+
+_LIB.impl("woq8_mm", _woq8_mm, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("minigpt::woq8_mm")
+def _woq8_mm_fake(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], words.shape[0])
+
+
+def woq8_kernel() -> Optional[str]:
+    """Register the C++ CPU kernel of ``minigpt::woq8_mm`` for this process (once) and return the instruction set
+    it runs (``"avx512"``, ``"avx2"`` or ``"scalar"``; ``$MINIGPT_WOQ8_ISA`` caps it), or None where it cannot be
+    had: the compile cache is off (the runner library is built there), no C++ compiler, the build failed."""
+    with _WOQ8_LOCK:
+        if not _WOQ8:
+            try:
+                directory = cache_dir()
+                if directory is None:
+                    raise RuntimeError("the compile cache is off")
+                install_woq8_kernel(build_runner(directory))
+                _WOQ8.append(str(torch.ops.minigpt.woq8_isa()))
+            except (OSError, RuntimeError):  # NativeError is a RuntimeError
+                _WOQ8.append("")
+        return _WOQ8[0] or None
+
+
 class HeadScreen:
     """The int8 screen of a float LM head ``head`` ``[vocab, dim]``.
 
     ``proj``: the int8 copy (:class:`~minigpt.infer.fastpath.kernels.Proj`, per-row scales, its bytes also as
-    float32 words for the step's loops); ``bound`` ``[vocab]`` float32: ``||w_i - s_i q_i||_2 + dim 2^-24
-    (||w_i||_2 + ||s_i q_i||_2)``, the error of row ``i`` per unit ``||h||_2`` (module docstring)."""
+    float32 words, which the step reads); ``bound`` ``[vocab]`` float32: ``||w_i - s_i q_i||_2 + dim 2^-24
+    (||w_i||_2 + ||s_i q_i||_2)``, the error of row ``i`` per unit ``||h||_2`` (module docstring); ``native``:
+    whether the step multiplies it through ``minigpt::woq8_mm``'s C++ kernel (vectorised here, :func:`woq8_kernel`)
+    rather than its own loops. Why the kernel: with the 256-bit vectors of the compiled step on AVX-512 CPUs the
+    loops read SmolLM-135M's 28 MB screen at ~9 GB/s, the kernel near the rate the host streams memory
+    (docs/benchmarks.md)."""
 
-    def __init__(self, head: torch.Tensor) -> None:
+    def __init__(self, head: torch.Tensor, native: Optional[bool] = None) -> None:
         vocab, dim = head.shape
         q = torch.empty(vocab, dim, dtype=torch.int8)
         scale, self.bound = torch.empty(vocab), torch.empty(vocab)
@@ -66,6 +115,7 @@ class HeadScreen:
             approx = q[rows].float() * scale[rows, None]
             self.bound[rows] = (w - approx).norm(dim=1) + dim * 2.0 ** -24 * (w.norm(dim=1) + approx.norm(dim=1))
         self.proj = Proj(q, scale, words=int8_words(q))
+        self.native = (woq8_kernel() not in (None, "scalar")) if native is None else native
 
 
 def build_screen(head: Proj) -> Optional[HeadScreen]:
@@ -78,13 +128,19 @@ def build_screen(head: Proj) -> Optional[HeadScreen]:
     return HeadScreen(w)
 
 
-def screened_argmax(head_weight: torch.Tensor, screen: Proj, bound: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+def screened_argmax(head_weight: torch.Tensor, screen: Proj, bound: torch.Tensor, h: torch.Tensor,
+                    native: bool = False) -> torch.Tensor:
     """Greedy next tokens ``[batch, seq]`` (int64) of the final hidden states ``h`` ``[batch, seq, dim]`` under the
     float head ``head_weight`` ``[vocab, dim]``, -1 where the screen cannot certify the argmax (module docstring;
     traced into the compiled greedy step). A certified token equals the argmax of the float32 logits but for ties
-    within float32 rounding, where the two sums' order decides."""
+    within float32 rounding, where the two sums' order decides. ``native``: the screen's product through
+    ``minigpt::woq8_mm`` (:attr:`HeadScreen.native`), else through the step's loops (:func:`decode_linear`)."""
     h32 = h.float()
-    a = decode_linear(screen, h32)  # [batch, seq, vocab]
+    if native:
+        flat = h32.reshape(-1, h32.shape[-1]).contiguous()
+        a = torch.ops.minigpt.woq8_mm(flat, screen.words, screen.scale).view(*h32.shape[:-1], -1)
+    else:
+        a = decode_linear(screen, h32)  # [batch, seq, vocab]
     e = h32.norm(dim=-1, keepdim=True) * bound * 1.001 + 1e-6 * a.abs()
     upper, idx = torch.topk(a + e, SCREEN_K + 1, dim=-1)  # [batch, seq, K + 1]
     cand = idx[..., :SCREEN_K]

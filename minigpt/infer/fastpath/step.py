@@ -120,7 +120,7 @@ def static_greedy_step(fp, token: torch.Tensor, input_pos: torch.Tensor, pad: to
     h, new_k, new_v = _trunk(fp, token, input_pos, pad, k_cache, v_cache)
     h = rms_norm(h, fp.final_norm, fp.final_eps)
     sc = fp.screen
-    return screened_argmax(fp.head.weight, sc.proj, sc.bound, h), new_k, new_v, h
+    return screened_argmax(fp.head.weight, sc.proj, sc.bound, h, sc.native), new_k, new_v, h
 
 
 def _trunk(fp, token, input_pos, pad, k_cache, v_cache):

@@ -1,0 +1,228 @@
+// MiniGPT's weight-only int8 product: float32 activations times an int8 matrix with per-row scales, the CPU kernel of
+// the op minigpt::woq8_mm(x, words, scale). Its one user is the int8 screen of a float LM head in greedy decode
+// steps (minigpt/infer/fastpath/screen.py), whose error bound assumes float32 activations: unlike the int8 x int8
+// kernels (w8a8_kernel.cpp, q4_kernel.cpp) nothing is rounded to 8 bits here. Built into the native runner library
+// (native_runner.cpp, whose build compiles this file beside it), registered in a Python process by mg_woq8_install,
+// in the runner's own process when it opens a bundle.
+//
+// What it computes:
+//   x      [rows, in] float32;
+//   words  [out, in / 4] float32: the int8 matrix's bytes as float32 words, as the compiled step's generated loops
+//          read them (minigpt/infer/fastpath/kernels.py, int8_words): byte j of word m of a row is the row's input
+//          4 m + j; the bytes are read as int8, the words never as floats;
+//   scale  [out] float32, per output row;
+//   y[m, n] = scale[n] * sum_k x[m, k] * float(w[n, k]): every weight converted to float32 exactly, the products
+//          accumulated in float32 by fused multiply-adds, in 16 (AVX-512) or 8 (AVX2) lanes summed at the row's
+//          end. The order of the sum differs from the generated loops'; the screen's bound covers any order
+//          (screen.py: dim 2^-24 ||h|| ||s q||, Higham's bound for a dot product).
+//
+// Why: Inductor's loops unpack each byte from its float32 word with two shifts and a conversion; with the 256-bit
+// vectors MiniGPT's compiled step uses on AVX-512 CPUs (fastpath/step.py, simd_options) they read SmolLM-135M's
+// 28 MB screen at ~9 GB/s, a seventh of a float32 decode step's time (docs/benchmarks.md). Here one
+// `vpmovsxbd` widens 16 (AVX-512) or 8 (AVX2) bytes from memory to int32 and one `vcvtdq2ps` makes them floats.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+namespace {
+
+enum Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+const char* const kIsaNames[] = {"scalar", "avx2", "avx512"};
+
+constexpr int kOutRows = 4;   // weight rows sharing each load of the activations
+constexpr int kMaxRows = 2;   // activation rows per pass over the weights (AVX2's 16 registers)
+// Bytes ahead of each weight row's read to prefetch, as the int8 x int8 kernel measured best (w8a8_kernel.cpp).
+constexpr int64_t kPrefetch = 8192;
+
+// AVX-512 (F + BW + VL: masked byte loads) or AVX2 + FMA, capped by $ATEN_CPU_CAPABILITY (avx2 / default) like
+// PyTorch's own kernels and by $MINIGPT_WOQ8_ISA=avx2|scalar (tests of the other paths).
+Isa chosen_isa() {
+  static const Isa isa = [] {
+    __builtin_cpu_init();
+    Isa best = kScalar;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = kAvx2;
+    if (best == kAvx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl"))
+      best = kAvx512;
+    const char* aten = std::getenv("ATEN_CPU_CAPABILITY");
+    if (aten != nullptr && (std::string(aten) == "avx2" || std::string(aten) == "AVX2")) best = std::min(best, kAvx2);
+    if (aten != nullptr && (std::string(aten) == "default" || std::string(aten) == "DEFAULT")) best = kScalar;
+    const char* cap = std::getenv("MINIGPT_WOQ8_ISA");
+    if (cap != nullptr)
+      for (int i = 0; i < 3; ++i)
+        if (std::string(cap) == kIsaNames[i]) best = std::min(best, static_cast<Isa>(i));
+    return best;
+  }();
+  return isa;
+}
+
+// Output rows [n0, n1) for M activation rows: y[m * ldy + n]. Spare lanes of the last pass reread row n.
+template <int M>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void rows_avx512(const float* x, const int8_t* w, int64_t in,
+                                                                      const float* scale, int64_t n0, int64_t n1,
+                                                                      float* y, int64_t ldy) {
+  const int64_t full = in / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (in - full)) - 1);
+  for (int64_t n = n0; n < n1; n += kOutRows) {
+    const int R = static_cast<int>(n1 - n < kOutRows ? n1 - n : kOutRows);
+    const int8_t* row[kOutRows];
+    for (int r = 0; r < kOutRows; ++r) row[r] = w + (n + (r < R ? r : 0)) * in;
+    __m512 acc[M][kOutRows];
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < kOutRows; ++r) acc[m][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k <= full; k += 16) {
+      if (k == full && tail == 0) break;
+      const bool last = k == full;
+      if ((k & 63) == 0)
+        for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(row[r] + k) + kPrefetch, _MM_HINT_T0);
+      __m512 xv[M];
+      for (int m = 0; m < M; ++m)
+        xv[m] = last ? _mm512_maskz_loadu_ps(tail, x + m * in + k) : _mm512_loadu_ps(x + m * in + k);
+      for (int r = 0; r < kOutRows; ++r) {
+        const __m128i b = last ? _mm_maskz_loadu_epi8(tail, row[r] + k)
+                               : _mm_loadu_si128(reinterpret_cast<const __m128i*>(row[r] + k));
+        const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+        for (int m = 0; m < M; ++m) acc[m][r] = _mm512_fmadd_ps(xv[m], wv, acc[m][r]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) y[m * ldy + n + r] = _mm512_reduce_add_ps(acc[m][r]) * scale[n + r];
+  }
+}
+
+// The sum of the eight float lanes of v.
+__attribute__((target("avx2,fma"))) inline float sum_lanes(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+template <int M>
+__attribute__((target("avx2,fma"))) void rows_avx2(const float* x, const int8_t* w, int64_t in, const float* scale,
+                                                   int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  const int64_t full = in / 8 * 8;
+  for (int64_t n = n0; n < n1; n += kOutRows) {
+    const int R = static_cast<int>(n1 - n < kOutRows ? n1 - n : kOutRows);
+    const int8_t* row[kOutRows];
+    for (int r = 0; r < kOutRows; ++r) row[r] = w + (n + (r < R ? r : 0)) * in;
+    __m256 acc[M][kOutRows];
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < kOutRows; ++r) acc[m][r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < full; k += 8) {
+      if ((k & 63) == 0)
+        for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(row[r] + k) + kPrefetch, _MM_HINT_T0);
+      __m256 xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = _mm256_loadu_ps(x + m * in + k);
+      for (int r = 0; r < kOutRows; ++r) {
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row[r] + k));
+        const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+        for (int m = 0; m < M; ++m) acc[m][r] = _mm256_fmadd_ps(xv[m], wv, acc[m][r]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) {
+        float total = sum_lanes(acc[m][r]);
+        for (int64_t k = full; k < in; ++k) total = std::fma(x[m * in + k], static_cast<float>(row[r][k]), total);
+        y[m * ldy + n + r] = total * scale[n + r];
+      }
+  }
+}
+
+template <int M>
+void rows_scalar(const float* x, const int8_t* w, int64_t in, const float* scale, int64_t n0, int64_t n1, float* y,
+                 int64_t ldy) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int m = 0; m < M; ++m) {
+      float total = 0.0f;
+      for (int64_t k = 0; k < in; ++k) total = std::fma(x[m * in + k], static_cast<float>(w[n * in + k]), total);
+      y[m * ldy + n] = total * scale[n];
+    }
+}
+
+at::Tensor woq8_mm(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "minigpt::woq8_mm: x must be float32 [rows, in]");
+  TORCH_CHECK(words.dim() == 2 && words.scalar_type() == at::kFloat && words.size(1) * 4 == x.size(1),
+              "minigpt::woq8_mm: words must be float32 [out, ", x.size(1) / 4, "] (an int8 matrix's bytes)");
+  TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == at::kFloat && scale.size(0) == words.size(0),
+              "minigpt::woq8_mm: scale must be float32 [", words.size(0), "]");
+  TORCH_CHECK(x.device().is_cpu() && words.device().is_cpu() && scale.device().is_cpu(),
+              "minigpt::woq8_mm: CPU tensors only");
+  at::Tensor xc = x.contiguous(), wc = words.contiguous(), sc = scale.contiguous();
+  const int64_t rows = xc.size(0), in = xc.size(1), out = wc.size(0);
+  at::Tensor y = at::empty({rows, out}, xc.options());
+  if (rows == 0 || out == 0) return y;
+  using Pass = void (*)(const float*, const int8_t*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
+  static const Pass avx512[kMaxRows] = {rows_avx512<1>, rows_avx512<2>}, avx2[kMaxRows] = {rows_avx2<1>, rows_avx2<2>},
+                    scalar[kMaxRows] = {rows_scalar<1>, rows_scalar<2>};
+  const Pass* passes = chosen_isa() == kAvx512 ? avx512 : chosen_isa() == kAvx2 ? avx2 : scalar;
+  const float* xp = xc.data_ptr<float>();
+  const int8_t* w = reinterpret_cast<const int8_t*>(wc.data_ptr<float>());
+  const float* s = sc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (out + 15) / 16, 1, [&](int64_t begin, int64_t end) {  // in units of 16 rows
+    const int64_t n0 = begin * 16, n1 = std::min(out, end * 16);
+    for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
+      const int64_t m = std::min<int64_t>(kMaxRows, rows - m0);
+      passes[m - 1](xp + m0 * in, w, in, s, n0, n1, yp + m0 * out, out);
+    }
+  });
+  return y;
+}
+
+std::string woq8_isa() { return kIsaNames[chosen_isa()]; }
+
+std::mutex op_mutex;
+std::unique_ptr<torch::Library> op_definition, op_implementation;
+
+// Define the ops unless this process has (a Python process that imported MiniGPT's fast path defines woq8_mm, with
+// its shape function for tracing and its reference kernel) and make this the CPU kernel.
+void register_woq8_op() {
+  std::lock_guard<std::mutex> guard(op_mutex);
+  if (op_implementation) return;
+  auto op = c10::Dispatcher::singleton().findSchema({"minigpt::woq8_mm", ""});
+  if (op.has_value() && op->hasKernelForDispatchKey(c10::DispatchKey::CPU))
+    throw std::runtime_error("minigpt::woq8_mm already has another CPU kernel in this process");
+  auto definition = std::make_unique<torch::Library>(torch::Library::FRAGMENT, "minigpt", std::nullopt, __FILE__,
+                                                     __LINE__);
+  if (!op.has_value()) definition->def("woq8_mm(Tensor x, Tensor words, Tensor scale) -> Tensor");
+  definition->def("woq8_isa() -> str", TORCH_FN(woq8_isa));
+  auto implementation = std::make_unique<torch::Library>(torch::Library::IMPL, "minigpt", c10::DispatchKey::CPU,
+                                                         __FILE__, __LINE__);
+  implementation->impl("woq8_mm", TORCH_FN(woq8_mm));
+  op_definition = std::move(definition);
+  op_implementation = std::move(implementation);
+}
+
+}  // namespace
+
+extern "C" {
+
+// The C++ kernel of minigpt::woq8_mm for this process (a Python process, or the runner before it loads a package
+// that calls the op). Returns 0, or -1 with the reason in `err`.
+int mg_woq8_install(char* err, int errlen) {
+  try {
+    register_woq8_op();
+    return 0;
+  } catch (const std::exception& e) {
+    if (err != nullptr && errlen > 0) {
+      std::strncpy(err, e.what(), static_cast<size_t>(errlen) - 1);
+      err[errlen - 1] = '\0';
+    }
+    return -1;
+  }
+}
+
+}  // extern "C"
