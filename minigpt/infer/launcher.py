@@ -38,6 +38,7 @@ _PACKAGE = Path(__file__).resolve().parents[1]  # minigpt/
 # register for the `minigpt::q4_mm`, `minigpt::w8a8_mm` and `minigpt::woq8_mm` ops.
 RUNNER_SOURCES = tuple(_PACKAGE / "infer" / name
                        for name in ("native_runner.cpp", "q4_kernel.cpp", "w8a8_kernel.cpp", "woq8_kernel.cpp"))
+RUNNER_HEADERS = (_PACKAGE / "infer" / "runner_ops.h",)  # included by the sources above
 # Their compiler flags (with the include paths and the ABI macro, minigpt.infer.fastpath.library.build_runner).
 # -fopenmp: ATen's parallel_for, which the int4 kernel's threads come from, is OpenMP inlined from the headers and
 # serial without it; the library then needs libgomp.so.1, which torch ships and has loaded already.
@@ -107,9 +108,10 @@ def torch_version() -> str:
 
 
 def runner_digest() -> str:
-    """sha256 of the runner's C++ sources, torch's version and the Python ABI: the runner library's file name."""
+    """sha256 of the runner's C++ sources and headers, torch's version and the Python ABI: the runner library's file
+    name."""
     h = hashlib.sha256()
-    for source in RUNNER_SOURCES:
+    for source in (*RUNNER_SOURCES, *RUNNER_HEADERS):
         h.update(source.read_bytes())
     h.update(repr((FORMAT, RUNNER_FLAGS, torch_version(), sys.version_info[:2], platform.machine())).encode())
     return h.hexdigest()[:40]

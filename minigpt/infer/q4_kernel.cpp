@@ -23,6 +23,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "runner_ops.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -258,26 +260,15 @@ at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
 
 std::string q4_isa() { return kIsaNames[chosen_isa()]; }
 
-std::mutex op_mutex;
-std::unique_ptr<torch::Library> op_definition, op_implementation;
+minigpt_ops::Registration registration;
 
-// Define the ops unless this process has (a Python process that imported MiniGPT's fast path defines q4_mm, with
-// its shape function for tracing and its reference kernel) and make this the CPU kernel.
 void register_q4_op() {
-  std::lock_guard<std::mutex> guard(op_mutex);
-  if (op_implementation) return;
-  auto op = c10::Dispatcher::singleton().findSchema({"minigpt::q4_mm", ""});
-  if (op.has_value() && op->hasKernelForDispatchKey(c10::DispatchKey::CPU))
-    throw std::runtime_error("minigpt::q4_mm already has another CPU kernel in this process");
-  auto definition = std::make_unique<torch::Library>(torch::Library::FRAGMENT, "minigpt", std::nullopt, __FILE__,
-                                                     __LINE__);
-  if (!op.has_value()) definition->def("q4_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor");
-  definition->def("q4_isa() -> str", TORCH_FN(q4_isa));
-  auto implementation = std::make_unique<torch::Library>(torch::Library::IMPL, "minigpt", c10::DispatchKey::CPU,
-                                                         __FILE__, __LINE__);
-  implementation->impl("q4_mm", TORCH_FN(q4_mm));
-  op_definition = std::move(definition);
-  op_implementation = std::move(implementation);
+  minigpt_ops::register_once(registration, "minigpt::q4_mm", [](torch::Library& def, bool define,
+                                                                torch::Library& impl) {
+    if (define) def.def("q4_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor");
+    def.def("q4_isa() -> str", TORCH_FN(q4_isa));
+    impl.impl("q4_mm", TORCH_FN(q4_mm));
+  });
 }
 
 }  // namespace
@@ -286,17 +277,6 @@ extern "C" {
 
 // The C++ kernel of minigpt::q4_mm for this process (a Python process, or the runner before it loads a package that
 // calls the op). Returns 0, or -1 with the reason in `err`.
-int mg_q4_install(char* err, int errlen) {
-  try {
-    register_q4_op();
-    return 0;
-  } catch (const std::exception& e) {
-    if (err != nullptr && errlen > 0) {
-      std::strncpy(err, e.what(), static_cast<size_t>(errlen) - 1);
-      err[errlen - 1] = '\0';
-    }
-    return -1;
-  }
-}
+int mg_q4_install(char* err, int errlen) { return minigpt_ops::report(register_q4_op, err, errlen); }
 
 }  // extern "C"

@@ -24,6 +24,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "runner_ops.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -184,26 +186,15 @@ at::Tensor woq8_mm(const at::Tensor& x, const at::Tensor& words, const at::Tenso
 
 std::string woq8_isa() { return kIsaNames[chosen_isa()]; }
 
-std::mutex op_mutex;
-std::unique_ptr<torch::Library> op_definition, op_implementation;
+minigpt_ops::Registration registration;
 
-// Define the ops unless this process has (a Python process that imported MiniGPT's fast path defines woq8_mm, with
-// its shape function for tracing and its reference kernel) and make this the CPU kernel.
 void register_woq8_op() {
-  std::lock_guard<std::mutex> guard(op_mutex);
-  if (op_implementation) return;
-  auto op = c10::Dispatcher::singleton().findSchema({"minigpt::woq8_mm", ""});
-  if (op.has_value() && op->hasKernelForDispatchKey(c10::DispatchKey::CPU))
-    throw std::runtime_error("minigpt::woq8_mm already has another CPU kernel in this process");
-  auto definition = std::make_unique<torch::Library>(torch::Library::FRAGMENT, "minigpt", std::nullopt, __FILE__,
-                                                     __LINE__);
-  if (!op.has_value()) definition->def("woq8_mm(Tensor x, Tensor words, Tensor scale) -> Tensor");
-  definition->def("woq8_isa() -> str", TORCH_FN(woq8_isa));
-  auto implementation = std::make_unique<torch::Library>(torch::Library::IMPL, "minigpt", c10::DispatchKey::CPU,
-                                                         __FILE__, __LINE__);
-  implementation->impl("woq8_mm", TORCH_FN(woq8_mm));
-  op_definition = std::move(definition);
-  op_implementation = std::move(implementation);
+  minigpt_ops::register_once(registration, "minigpt::woq8_mm", [](torch::Library& def, bool define,
+                                                                  torch::Library& impl) {
+    if (define) def.def("woq8_mm(Tensor x, Tensor words, Tensor scale) -> Tensor");
+    def.def("woq8_isa() -> str", TORCH_FN(woq8_isa));
+    impl.impl("woq8_mm", TORCH_FN(woq8_mm));
+  });
 }
 
 }  // namespace
@@ -212,17 +203,6 @@ extern "C" {
 
 // The C++ kernel of minigpt::woq8_mm for this process (a Python process, or the runner before it loads a package
 // that calls the op). Returns 0, or -1 with the reason in `err`.
-int mg_woq8_install(char* err, int errlen) {
-  try {
-    register_woq8_op();
-    return 0;
-  } catch (const std::exception& e) {
-    if (err != nullptr && errlen > 0) {
-      std::strncpy(err, e.what(), static_cast<size_t>(errlen) - 1);
-      err[errlen - 1] = '\0';
-    }
-    return -1;
-  }
-}
+int mg_woq8_install(char* err, int errlen) { return minigpt_ops::report(register_woq8_op, err, errlen); }
 
 }  // extern "C"

@@ -19,7 +19,7 @@ import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -417,17 +417,25 @@ def q4_kernel() -> Optional[str]:
     """Register the C++ CPU kernel of ``minigpt::q4_mm`` for this process (once) and return the instruction set it
     runs (``"avx512_vnni"``, ``"avx2"`` or ``"scalar"``; ``$MINIGPT_Q4_ISA`` caps it), or None where it cannot be
     had: the compile cache is off (the runner library is built there), no C++ compiler, the build failed."""
+    return runner_kernel(_Q4, install_q4_kernel, "q4_isa")
+
+
+def runner_kernel(found: list[str], install: Callable[[Path], None], isa_op: str) -> Optional[str]:
+    """Once per process (``found`` empty until then, the answer appended to it): build the runner library, make
+    ``install(library)`` register its C++ kernel of an op, and return the instruction set it runs, the string the
+    op ``minigpt::<isa_op>`` returns; None where it cannot be had (the compile cache, where the library is built, is
+    off; no C++ compiler; the build failed; the library refused to register)."""
     with _KERNEL_LOCK:
-        if not _Q4:
+        if not found:
             try:
                 directory = cache_dir()
                 if directory is None:
                     raise RuntimeError("the compile cache is off")
-                install_q4_kernel(build_runner(directory))
-                _Q4.append(str(torch.ops.minigpt.q4_isa()))
+                install(build_runner(directory))
+                found.append(str(getattr(torch.ops.minigpt, isa_op)()))
             except (OSError, RuntimeError):  # NativeError is a RuntimeError
-                _Q4.append("")
-        return _Q4[0] or None
+                found.append("")
+        return found[0] or None
 
 
 def q4_wanted(kernel: str) -> bool:

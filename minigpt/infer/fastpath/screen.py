@@ -37,14 +37,13 @@ certified every position of both.
 """
 from __future__ import annotations
 
-import threading
 from typing import Optional
 
 import torch
 
 from minigpt.infer.fastpath.kernels import Proj, decode_linear, int8_words
-from minigpt.infer.fastpath.library import build_runner
-from minigpt.infer.launcher import cache_dir, install_woq8_kernel
+from minigpt.infer.fastpath.library import runner_kernel
+from minigpt.infer.launcher import install_woq8_kernel
 from minigpt.model.quant import quantize_weight
 
 SCREEN_K = 64  # rows recomputed exactly per token (64 x dim floats: 147 KB at dim 576, against a 113 MB head)
@@ -58,7 +57,6 @@ _BUILD_ROWS = 2048  # rows per block while building a screen (4.7 MB of float32 
 _LIB = torch.library.Library("minigpt", "FRAGMENT")
 _LIB.define("woq8_mm(Tensor x, Tensor words, Tensor scale) -> Tensor")
 _WOQ8: list[str] = []  # once woq8_kernel has looked: the C++ kernel's instruction set, or "" (none here)
-_WOQ8_LOCK = threading.Lock()
 
 
 def _woq8_mm(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -78,17 +76,7 @@ def woq8_kernel() -> Optional[str]:
     """Register the C++ CPU kernel of ``minigpt::woq8_mm`` for this process (once) and return the instruction set
     it runs (``"avx512"``, ``"avx2"`` or ``"scalar"``; ``$MINIGPT_WOQ8_ISA`` caps it), or None where it cannot be
     had: the compile cache is off (the runner library is built there), no C++ compiler, the build failed."""
-    with _WOQ8_LOCK:
-        if not _WOQ8:
-            try:
-                directory = cache_dir()
-                if directory is None:
-                    raise RuntimeError("the compile cache is off")
-                install_woq8_kernel(build_runner(directory))
-                _WOQ8.append(str(torch.ops.minigpt.woq8_isa()))
-            except (OSError, RuntimeError):  # NativeError is a RuntimeError
-                _WOQ8.append("")
-        return _WOQ8[0] or None
+    return runner_kernel(_WOQ8, install_woq8_kernel, "woq8_isa")
 
 
 class HeadScreen:
