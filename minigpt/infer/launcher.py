@@ -183,7 +183,8 @@ def launch_key(source: Path, dtype: str, quantize: Optional[str], threads: Optio
 
 def read_manifest(key: str) -> Optional[dict]:
     """The manifest of bundle ``key`` in the compile cache, or None when there is none or it cannot be used (not
-    trusted, unreadable, or naming files that are gone)."""
+    trusted, unreadable, or naming files that are gone); its modification time is set to now (the bundle's last
+    use, which :func:`minigpt.infer.native.prune_bundles` orders by)."""
     directory = cache_dir()
     if directory is None:
         return None
@@ -199,6 +200,10 @@ def read_manifest(key: str) -> Optional[dict]:
             if not p.is_file() or not trusted(p):
                 return None
         manifest["bundle"] = str(path.parent)
+        try:  # used now: the least recently used bundles are the first removed (native.prune_bundles)
+            os.utime(path)
+        except OSError:  # a read-only cache
+            pass
         return manifest
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -8,12 +8,19 @@ what the package reads, in the layout it was compiled for), each written once ev
 (a tied head), 64-byte aligned, and a manifest; for a step whose int8 products go through FBGEMM (the
 ``minigpt::w8a8_mm`` op), the list of those matrices, which the runner packs for FBGEMM when it opens the bundle
 (~0.1 s at 135M int4, whose LM head is int8; ~0.4 s for every matrix of an int8 model, on 2 cores).
+
+Each bundle is a second copy of its model's step tensors (542 MB for a 135M model in fp32), so the bundles are
+kept to ``$MINIGPT_NATIVE_CACHE_GB`` (default 8) together: writing one removes the least recently used others
+beyond it (:func:`prune_bundles`).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -22,6 +29,10 @@ import torch
 from minigpt.infer.fastpath.aoti import step_projections, step_tensors
 from minigpt.infer.fastpath.library import build_runner
 from minigpt.infer.launcher import FORMAT, cache_dir, launch_key
+
+LIMIT_ENV = "MINIGPT_NATIVE_CACHE_GB"
+LIMIT_GB = 8.0  # the default: GB (10^9 bytes) of bundles kept
+PARTIAL_MAX_AGE_S = 24 * 3600  # a temporary directory older than this belongs to a killed write
 
 ALIGN = 64  # bytes: tensors.bin offsets (cache lines; AOTInductor's own constants are aligned so)
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int8: "int8",
@@ -36,7 +47,9 @@ def write_bundle(fp, source: Path, dtype: str, quantize: Optional[str], threads:
     not contiguous, no cache directory, not a model directory).
 
     ``bos``: whether a plain prompt starts with BOS for this model; ``stop_ids``: the ids that end a generation.
-    Raises ``OSError`` / ``RuntimeError`` when writing or building fails (the caller warns and goes on)."""
+    Raises ``OSError`` / ``RuntimeError`` when writing or building fails or ``$MINIGPT_NATIVE_CACHE_GB`` is not a
+    size (the caller warns and goes on). A new bundle is followed by :func:`prune_bundles`."""
+    limit = bundle_limit()
     key = launch_key(source, dtype, quantize, threads)
     directory = cache_dir()
     packages = [p for p in getattr(fp, "packages", {})]
@@ -44,6 +57,7 @@ def write_bundle(fp, source: Path, dtype: str, quantize: Optional[str], threads:
         return None
     bundle = directory / "native" / key
     if (bundle / "manifest.json").is_file():
+        _touch(bundle / "manifest.json")
         return bundle
     named = step_tensors(fp)
     if not all(t.is_contiguous() and t.device.type == "cpu" and t.dtype in _DTYPES for t in named.values()):
@@ -86,4 +100,73 @@ def write_bundle(fp, source: Path, dtype: str, quantize: Optional[str], threads:
             for p in work.iterdir():
                 p.unlink()
             work.rmdir()
+    prune_bundles(bundle.parent, bundle, limit)
     return bundle
+
+
+def bundle_limit() -> int:
+    """The bytes of bundles to keep: ``$MINIGPT_NATIVE_CACHE_GB`` GB (a number >= 0; unset or empty:
+    :data:`LIMIT_GB`). Raises ``RuntimeError`` naming the variable when it is not such a number."""
+    value = os.environ.get(LIMIT_ENV, "").strip()
+    if not value:
+        return int(LIMIT_GB * 1e9)
+    try:
+        gb = float(value)
+    except ValueError:
+        gb = math.nan
+    if not (math.isfinite(gb) and gb >= 0):
+        raise RuntimeError(f"${LIMIT_ENV}={value!r} is not a size in GB: give a number >= 0, e.g. {LIMIT_GB:g}")
+    return int(gb * 1e9)
+
+
+def prune_bundles(directory: Path, keep: Path, limit: int) -> list[Path]:
+    """Remove the least recently used bundles in ``directory`` (the compile cache's ``native/``) until the others
+    hold at most ``limit`` bytes, and temporary directories of killed writes (older than a day); returns what was
+    removed. "Used" is the modification time of a bundle's ``manifest.json``, which every use refreshes
+    (:func:`~minigpt.infer.launcher.read_manifest`, :func:`write_bundle`). ``keep`` (the bundle just written) is
+    never removed: one larger than ``limit`` stays, alone. Each directory is renamed before it is deleted, so that
+    a reader finds a whole bundle or none (one that loses the race gets :class:`~minigpt.infer.launcher.NativeError`
+    from the runner and runs the ordinary command). Links are left alone; a directory that vanishes meanwhile is
+    skipped."""
+    bundles, removed, now = [], [], time.time()
+    for entry in directory.iterdir():
+        try:
+            if entry.is_symlink() or not entry.is_dir():
+                continue
+            if entry.name.startswith(".partial-"):
+                if now - entry.stat().st_mtime > PARTIAL_MAX_AGE_S and _remove(entry):
+                    removed.append(entry)
+                continue
+            manifest = entry / "manifest.json"
+            used = (manifest if manifest.is_file() else entry).stat().st_mtime
+            size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file() and not f.is_symlink())
+        except FileNotFoundError:
+            continue
+        bundles.append((used, entry, size))
+    total = sum(size for _, _, size in bundles)
+    for _, entry, size in sorted(bundles, key=lambda b: b[0]):  # the least recently used first
+        if total <= limit:
+            break
+        if entry != keep and _remove(entry):
+            total -= size
+            removed.append(entry)
+    return removed
+
+
+def _remove(entry: Path) -> bool:
+    """Rename ``entry`` to a temporary name, then delete it; False when another process got there first."""
+    doomed = entry.with_name(f".partial-removed-{entry.name}-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        os.rename(entry, doomed)
+    except OSError:
+        return False
+    shutil.rmtree(doomed, ignore_errors=True)
+    return True
+
+
+def _touch(path: Path) -> None:
+    """Mark ``path`` used now (its modification time); a read-only cache is left as it is."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass

@@ -18,7 +18,7 @@ from minigpt.cli.generate import native_eligible, register
 from minigpt.infer import launcher
 from minigpt.infer.fastpath import load_for_inference
 from minigpt.infer.fastpath.library import own_int8_isa, w8a8_available
-from minigpt.infer.native import write_bundle
+from minigpt.infer.native import LIMIT_ENV, write_bundle
 from minigpt.tokenizer.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,7 +119,12 @@ def test_the_runner_gives_the_compiled_steps_tokens_and_refuses_a_truncated_bund
     assert fp.compile_sources == {"aoti-saved": 1}
     if screened:  # the argmax of the logits, here from the eager forward (a second package would be a second step)
         assert want == _greedy_through_the_step(load_for_inference(model, compile=False), prompt, 20)
+    earlier = tmp_path / "cache" / "native" / "earlier"  # another model's bundle: beyond a limit of 0 bytes
+    earlier.mkdir(parents=True)
+    (earlier / "tensors.bin").write_bytes(b"\0" * 64)
+    monkeypatch.setenv(LIMIT_ENV, "0")
     bundle = write_bundle(fp, model, "float32", quantize, 1, False, [])
+    assert not earlier.exists() and bundle.is_dir()  # the new bundle is kept, alone
     manifest = launcher.read_manifest(launcher.launch_key(model, "float32", quantize, 1))
     assert manifest is not None and Path(manifest["bundle"]) == bundle
     files = Path(manifest["runner"]), Path(manifest["package"]), bundle
