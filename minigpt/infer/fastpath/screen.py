@@ -86,9 +86,9 @@ class HeadScreen:
     float32 words, which the step reads); ``bound`` ``[vocab]`` float32: ``||w_i - s_i q_i||_2 + dim 2^-24
     (||w_i||_2 + ||s_i q_i||_2)``, the error of row ``i`` per unit ``||h||_2`` (module docstring); ``native``:
     whether the step multiplies it through ``minigpt::woq8_mm``'s C++ kernel (vectorised here, :func:`woq8_kernel`)
-    rather than its own loops. Why the kernel: with the 256-bit vectors of the compiled step on AVX-512 CPUs the
-    loops read SmolLM-135M's 28 MB screen at ~9 GB/s, the kernel near the rate the host streams memory
-    (docs/benchmarks.md)."""
+    rather than its own loops (``native`` None: wherever that kernel runs vectorised). Why the kernel: in the
+    compiled fp32 step of SmolLM-135M on a 2-core Xeon (256-bit loops) the loops read the 28 MB screen at ~9 GB/s,
+    the kernel at ~17 GB/s: fp32 decode 1.12x, bf16 1.10x (docs/benchmarks.md)."""
 
     def __init__(self, head: torch.Tensor, native: Optional[bool] = None) -> None:
         vocab, dim = head.shape
