@@ -181,6 +181,14 @@ def launch_key(source: Path, dtype: str, quantize: Optional[str], threads: Optio
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:40]
 
 
+def mark_used(path: Path) -> None:
+    """Mark a bundle's ``manifest.json`` used now (its modification time); a read-only cache is left as it is."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
 def read_manifest(key: str) -> Optional[dict]:
     """The manifest of bundle ``key`` in the compile cache, or None when there is none or it cannot be used (not
     trusted, unreadable, or naming files that are gone); its modification time is set to now (the bundle's last
@@ -200,10 +208,7 @@ def read_manifest(key: str) -> Optional[dict]:
             if not p.is_file() or not trusted(p):
                 return None
         manifest["bundle"] = str(path.parent)
-        try:  # used now: the least recently used bundles are the first removed (native.prune_bundles)
-            os.utime(path)
-        except OSError:  # a read-only cache
-            pass
+        mark_used(path)  # the least recently used bundles are the first removed (native.prune_bundles)
         return manifest
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -26,13 +26,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from minigpt.infer.fastpath.aoti import step_projections, step_tensors
+from minigpt.infer.fastpath.aoti import PARTIAL_MAX_AGE_S, step_projections, step_tensors
 from minigpt.infer.fastpath.library import build_runner
-from minigpt.infer.launcher import FORMAT, cache_dir, launch_key
+from minigpt.infer.launcher import FORMAT, cache_dir, launch_key, mark_used
 
 LIMIT_ENV = "MINIGPT_NATIVE_CACHE_GB"
 LIMIT_GB = 8.0  # the default: GB (10^9 bytes) of bundles kept
-PARTIAL_MAX_AGE_S = 24 * 3600  # a temporary directory older than this belongs to a killed write
 
 ALIGN = 64  # bytes: tensors.bin offsets (cache lines; AOTInductor's own constants are aligned so)
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int8: "int8",
@@ -57,7 +56,7 @@ def write_bundle(fp, source: Path, dtype: str, quantize: Optional[str], threads:
         return None
     bundle = directory / "native" / key
     if (bundle / "manifest.json").is_file():
-        _touch(bundle / "manifest.json")
+        mark_used(bundle / "manifest.json")
         return bundle
     named = step_tensors(fp)
     if not all(t.is_contiguous() and t.device.type == "cpu" and t.dtype in _DTYPES for t in named.values()):
@@ -162,11 +161,3 @@ def _remove(entry: Path) -> bool:
         return False
     shutil.rmtree(doomed, ignore_errors=True)
     return True
-
-
-def _touch(path: Path) -> None:
-    """Mark ``path`` used now (its modification time); a read-only cache is left as it is."""
-    try:
-        os.utime(path)
-    except OSError:
-        pass
