@@ -168,10 +168,32 @@ class LayerWeights:
 
 
 def module_proj(linear: nn.Module) -> Proj:
-    """The :class:`Proj` of one ``nn.Linear``, ``Int8Linear`` or ``Int4Linear`` (its own tensors, not copied)."""
+    """The :class:`Proj` of one ``nn.Linear``, ``Int8Linear`` or ``Int4Linear``: its own tensors, not copied, but
+    for a float weight that does not start on a 64-byte boundary, which moves to memory that does first
+    (:func:`align_parameter`)."""
     if isinstance(linear, (Int8Linear, Int4Linear)):
         return Proj(linear.weight, linear.weight_scale, linear.bias)
+    align_parameter(linear.weight)
     return Proj(linear.weight.detach(), None, None if linear.bias is None else linear.bias.detach())
+
+
+# Bytes: a cache line, and the alignment of PyTorch's CPU allocator.
+ALIGN = 64
+
+
+def align_parameter(p: nn.Parameter) -> None:
+    """Give parameter ``p`` a copy of its data in memory aligned to :data:`ALIGN` bytes when its data start
+    elsewhere; the parameter object stays (a weight tied to another module stays tied), the old storage is dropped.
+
+    Why: weights loaded from a safetensors file are views of the memory-mapped file, and start wherever the file's
+    header and the tensors before them end (8 bytes past a cache line in SmolLM-135M's bf16 file), so every
+    vector load of a row straddles two cache lines. Measured on a 2-core Xeon (family 6 model 167): the compiled
+    bf16 decode step of SmolLM-135M's shape, loaded from its bf16 safetensors, 85.09 tokens/s as mapped against
+    88.41 with the unfused matrices (attention output, FFN down, tied head/embedding) moved to aligned memory (5
+    interleaved rounds of 128 tokens in one process, medians); fp32 moved less than the noise (55.88, 56.35)."""
+    if p.data_ptr() % ALIGN:
+        with torch.no_grad():
+            p.data = p.data.clone()
 
 
 def fuse_projections(linears: list[nn.Module]) -> Proj | list[Proj]:
