@@ -275,3 +275,21 @@ def test_weights_mapped_off_a_cache_line_move_to_aligned_memory(tmp_path):
     assert fp.head.weight.data_ptr() == loaded.tok_embeddings.weight.data_ptr()
     with torch.no_grad():
         assert torch.equal(loaded(x), ref)
+
+
+def test_a_one_token_greedy_prompt_goes_through_the_decode_step(monkeypatch):
+    """Greedy after a single prompt token: that token is one decode step (decode_next, compiled where the fast
+    path is), never the prefill forward; the tokens are the plain model's."""
+    from minigpt.infer import generate as gen_mod
+
+    model = make(n_kv_heads=2)
+    want = {t: list(generate_tokens(model, [t], greedy(10))) for t in (1, 5)}
+    fp = FastPath(model)
+
+    def no_prefill(*a, **k):
+        raise AssertionError("a one-token greedy prompt went through the prefill forward")
+
+    monkeypatch.setattr(gen_mod, "prefill", no_prefill)
+    assert {t: list(generate_tokens(fp, [t], greedy(10))) for t in want} == want
+    with pytest.raises(AssertionError, match="prefill"):  # sampling still needs the prompt's logits
+        list(generate_tokens(fp, [1], SamplingParams(max_tokens=3, temperature=0.8, seed=0)))
