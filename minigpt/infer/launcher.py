@@ -181,6 +181,21 @@ def launch_key(source: Path, dtype: str, quantize: Optional[str], threads: Optio
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:40]
 
 
+def size_limit(env: str, default_gb: float) -> int:
+    """Bytes: ``$env`` GB (10^9 bytes; a number >= 0; unset or empty: ``default_gb``). Raises ``RuntimeError`` naming
+    the variable when it is not such a number."""
+    value = os.environ.get(env, "").strip()
+    if not value:
+        return int(default_gb * 1e9)
+    try:
+        gb = float(value)
+    except ValueError:
+        gb = float("nan")
+    if not (gb >= 0 and gb != float("inf")):
+        raise RuntimeError(f"${env}={value!r} is not a size in GB: give a number >= 0, e.g. {default_gb:g}")
+    return int(gb * 1e9)
+
+
 def mark_used(path: Path) -> None:
     """Mark a bundle's ``manifest.json`` used now (its modification time); a read-only cache is left as it is."""
     try:

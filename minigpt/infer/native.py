@@ -16,7 +16,6 @@ beyond it (:func:`prune_bundles`).
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -28,7 +27,7 @@ import torch
 
 from minigpt.infer.fastpath.aoti import PARTIAL_MAX_AGE_S, step_projections, step_tensors
 from minigpt.infer.fastpath.library import build_runner
-from minigpt.infer.launcher import FORMAT, cache_dir, launch_key, mark_used
+from minigpt.infer.launcher import FORMAT, cache_dir, launch_key, mark_used, size_limit
 
 LIMIT_ENV = "MINIGPT_NATIVE_CACHE_GB"
 LIMIT_GB = 8.0  # the default: GB (10^9 bytes) of bundles kept
@@ -106,16 +105,7 @@ def write_bundle(fp, source: Path, dtype: str, quantize: Optional[str], threads:
 def bundle_limit() -> int:
     """The bytes of bundles to keep: ``$MINIGPT_NATIVE_CACHE_GB`` GB (a number >= 0; unset or empty:
     :data:`LIMIT_GB`). Raises ``RuntimeError`` naming the variable when it is not such a number."""
-    value = os.environ.get(LIMIT_ENV, "").strip()
-    if not value:
-        return int(LIMIT_GB * 1e9)
-    try:
-        gb = float(value)
-    except ValueError:
-        gb = math.nan
-    if not (math.isfinite(gb) and gb >= 0):
-        raise RuntimeError(f"${LIMIT_ENV}={value!r} is not a size in GB: give a number >= 0, e.g. {LIMIT_GB:g}")
-    return int(gb * 1e9)
+    return size_limit(LIMIT_ENV, LIMIT_GB)
 
 
 def prune_bundles(directory: Path, keep: Path, limit: int) -> list[Path]:

@@ -2,7 +2,8 @@
 is a copy of a model's step tensors, and every new model, precision or MiniGPT version wrote another, never removed
 (6.4 GB after one day of benchmarks on one machine). Checked on directories laid out as bundles are: the least
 recently used go first, the one just written never, a use refreshes a bundle, leftovers of killed writes go once
-they are a day old, and a bad limit is refused with the variable's name."""
+they are a day old, and a bad limit is refused with the variable's name. Likewise the saved steps and step packages
+(``minigpt.infer.fastpath.aot.prune_steps``, ``$MINIGPT_COMPILED_STEPS_GB``), but never a package a bundle runs."""
 import json
 import os
 import time
@@ -88,3 +89,51 @@ def test_a_bad_limit_is_refused_with_the_variables_name(monkeypatch, value):
     monkeypatch.setenv(LIMIT_ENV, value)
     with pytest.raises(RuntimeError, match=rf"\$MINIGPT_NATIVE_CACHE_GB='{value}' is not a size in GB"):
         bundle_limit()
+
+
+# ---------------------------------------------------------------- saved steps and packages (fastpath.aot)
+def _step_file(directory: Path, name: str, size: int, used: float) -> Path:
+    f = directory / name
+    f.write_bytes(b"\0" * size)
+    f.chmod(0o600)
+    os.utime(f, (used, used))
+    return f
+
+
+def test_saved_steps_go_least_recently_used_first_but_not_a_bundles_package(tmp_path):
+    from minigpt.infer.fastpath.aot import prune_steps
+
+    now = time.time()
+    old, pinned, mid, recent = (_step_file(tmp_path, n, 1000, now - age) for n, age in
+                                (("a.pt2", 400), ("b.pt2", 300), ("c.step", 200), ("d.pt2", 100)))
+    others = [_step_file(tmp_path, n, 5000, now - 1000) for n in ("runner.so", ".partial-x.pt2")]
+    bundle = _bundle(tmp_path / "native", "k", 10, now)
+    (bundle / "manifest.json").write_text(json.dumps({"package": str(pinned)}))
+    new = _step_file(tmp_path, "e.step", 1000, now)
+    assert prune_steps(tmp_path, new, 5000) == []
+    assert prune_steps(tmp_path, new, 3000) == [old, mid]  # the bundle's package stays, counted
+    assert prune_steps(tmp_path, new, 0) == [recent]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".partial-x.pt2", "b.pt2", "e.step", "native", "runner.so"]
+    assert all(f.exists() for f in others)
+
+
+def test_loading_a_saved_step_marks_it_used(tmp_path):
+    from minigpt.infer.fastpath import aot
+
+    f = _step_file(tmp_path, "s.step", 10, time.time() - 1000)
+    assert aot._load_saved(f, lambda p: "loaded") == "loaded"
+    assert time.time() - f.stat().st_mtime < 60
+
+
+def test_a_bad_steps_limit_is_one_warning_naming_the_variable(tmp_path, monkeypatch):
+    from minigpt.infer.fastpath import aot
+
+    monkeypatch.setenv(aot.STEPS_LIMIT_ENV, "lots")
+    old = _step_file(tmp_path, "a.step", 10, time.time() - 1000)
+    new = _step_file(tmp_path, "b.step", 10, time.time())
+    with pytest.warns(RuntimeWarning, match=aot.STEPS_LIMIT_ENV):
+        aot._prune_after_save(tmp_path, new)
+    assert old.exists()
+    monkeypatch.setenv(aot.STEPS_LIMIT_ENV, "0")
+    aot._prune_after_save(tmp_path, new)
+    assert not old.exists() and new.exists()

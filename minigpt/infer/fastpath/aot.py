@@ -28,6 +28,7 @@ saved step here.
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 import warnings
 from functools import partial
@@ -42,7 +43,8 @@ from minigpt.infer.fastpath.library import OwnInt8
 from minigpt.infer.fastpath.step import compile_step, simd_options
 
 # Shared with the torch-free launcher, which must find the same cache and compute the same keys without torch.
-from minigpt.infer.launcher import ENV, cache_dir  # noqa: F401  (ENV: the variable's name, for callers)
+# (ENV: the variable's name, for callers.)
+from minigpt.infer.launcher import ENV, cache_dir, mark_used, size_limit  # noqa: F401
 from minigpt.infer.launcher import isa as _isa
 from minigpt.infer.launcher import source_digest as _source_digest
 from minigpt.infer.launcher import trusted as _trusted
@@ -133,6 +135,7 @@ def cached_step(fp, example_args: tuple, directory: Optional[Path | bool] = None
     try:
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         compiled.save_compiled_function(str(path))  # torch writes it atomically (temporary file + rename)
+        _prune_after_save(directory, path)
     except Exception as e:  # a read-only or full disk costs the next run a compile, not this one
         _warn(f"could not save the compiled step to {path} ({type(e).__name__}: {e})")
     return _bound(compiled, fp), "saved"
@@ -146,7 +149,9 @@ def _load_saved(path: Path, load: Callable[[Path], Callable]) -> Optional[Callab
     try:
         if not _trusted(path):
             raise PermissionError("owned by another user or writable by others")
-        return load(path)
+        loaded = load(path)
+        mark_used(path)  # the least recently used steps are the first removed (prune_steps)
+        return loaded
     except Exception as e:  # any unreadable artifact
         _warn(f"ignoring the saved compiled step {path} ({type(e).__name__}: {str(e)[:200]}); compiling it again")
         return None
@@ -165,6 +170,7 @@ def _packaged_step(fp, example_args: tuple, directory: Path, path: Path, greedy:
         try:
             directory.mkdir(parents=True, exist_ok=True, mode=0o700)
             export_package(fp, example_args, path, greedy)
+            _prune_after_save(directory, path)
             step, source = PackagedStep(path, fp), "aoti-saved"
         except Exception as e:  # export and AOTInductor are young: the torch.compile step still works
             _warn(f"packaging the compiled step with AOTInductor failed ({type(e).__name__}: {str(e)[:200]}); "
@@ -180,3 +186,53 @@ def _bound(compiled, fp) -> Callable:
     and the file's key already pins the grad / inference mode and the shapes (FastPath keys its steps the same)."""
     compiled.disable_guard_check()
     return partial(compiled, fp)
+
+
+# Saved steps and packages kept (code only, ~0.6-7 MB each at 135M; every new shape, model structure, torch or
+# MiniGPT version writes another): GB (10^9 bytes), unless $MINIGPT_COMPILED_STEPS_GB says otherwise.
+STEPS_LIMIT_ENV = "MINIGPT_COMPILED_STEPS_GB"
+STEPS_LIMIT_GB = 2.0
+
+
+def prune_steps(directory: Path, keep: Path, limit: int) -> list[Path]:
+    """Remove the least recently used saved steps and step packages (``*.step``, ``*.pt2``) in ``directory`` until
+    the others hold at most ``limit`` bytes; returns those removed. "Used" is a file's modification time, which
+    every load refreshes (:func:`_load_saved`). ``keep`` (the file just written) stays, and so does every package
+    a native bundle names (``native/*/manifest.json``: its runner loads that file). Links and temporary files are
+    left alone; a file that vanishes meanwhile is skipped."""
+    pinned = {keep.absolute()}
+    for manifest in (directory / "native").glob("*/manifest.json"):
+        try:
+            pinned.add(Path(json.loads(manifest.read_text())["package"]).absolute())
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    files = []
+    for f in directory.iterdir():
+        if f.suffix not in (".step", SUFFIX) or f.name.startswith(".") or f.is_symlink():
+            continue
+        try:
+            st = f.stat()
+        except FileNotFoundError:
+            continue
+        files.append((st.st_mtime, f, st.st_size))
+    total, removed = sum(size for _, _, size in files), []
+    for _, f, size in sorted(files):  # the least recently used first
+        if total <= limit:
+            break
+        if f.absolute() in pinned:
+            continue
+        try:
+            f.unlink()
+            removed.append(f)
+        except FileNotFoundError:  # another process removed it
+            pass
+        total -= size
+    return removed
+
+
+def _prune_after_save(directory: Path, path: Path) -> None:
+    """:func:`prune_steps` after ``path`` was written; a bad limit or an unwritable directory costs one warning."""
+    try:
+        prune_steps(directory, path, size_limit(STEPS_LIMIT_ENV, STEPS_LIMIT_GB))
+    except (OSError, RuntimeError) as e:
+        _warn(f"could not trim the saved compiled steps in {directory} ({type(e).__name__}: {e})")
