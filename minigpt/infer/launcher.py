@@ -197,7 +197,8 @@ def size_limit(env: str, default_gb: float) -> int:
 
 
 def mark_used(path: Path) -> None:
-    """Mark a bundle's ``manifest.json`` used now (its modification time); a read-only cache is left as it is."""
+    """Mark a file of the compile cache (a bundle's ``manifest.json``, a saved step or package) used now: its
+    modification time, which the least-recently-used trimming reads; a read-only cache is left as it is."""
     try:
         os.utime(path)
     except OSError:
