@@ -2,7 +2,8 @@
 kernel equals the PyTorch reference, its three instruction-set paths agree bit for bit, the product stays within
 the activations' 8-bit rounding of the float-activation product, rows never depend on each other, a NaN reaches
 the outputs, bad tensors are refused, and the fast path takes the kernel for int4 weights by default (eager and
-compiled alike), not under ``woq_kernel="aten"``."""
+compiled alike), not under ``woq_kernel="aten"``. ``minigpt::q4_dequant`` (int4 weights as float32 or bfloat16 for
+prefill's GEMM) gives ``dequantize_weight_int4``'s numbers bit for bit on every path, and many-row products use it."""
 import os
 import subprocess
 import sys
@@ -13,7 +14,9 @@ import torch
 from conftest import random_model
 
 from minigpt.infer.fastpath import Proj, library, prepare
+from minigpt.infer.fastpath.kernels import INT4_ATEN_ROWS_MAX
 from minigpt.model.quant import dequantize_weight_int4, quantize_weight_int4
+from minigpt.runtime import native_bf16
 
 torch.set_num_threads(1)
 
@@ -72,7 +75,8 @@ packed, scale = quantize_weight_int4(torch.randn(80, 192), 32)
 p = Proj(packed, scale, None)
 library.q4_layout(p)
 y = torch.ops.minigpt.q4_mm(torch.randn(6, 192), p.words, p.word_scale)
-print(hashlib.sha256(y.numpy().tobytes()).hexdigest())
+w = [torch.ops.minigpt.q4_dequant(packed, scale, bf16).view(torch.int16) for bf16 in (False, True)]
+print(hashlib.sha256(y.numpy().tobytes() + w[0].numpy().tobytes() + w[1].numpy().tobytes()).hexdigest())
 """
 
 
@@ -128,6 +132,46 @@ def test_bad_tensors_are_refused():
         torch.ops.minigpt.q4_mm(x, p.words.view(3, 12, 8, 8), p.word_scale)
     with pytest.raises(RuntimeError, match="as many blocks"):
         torch.ops.minigpt.q4_mm(x, p.words, p.word_scale[:2])
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("out,n_in,group", [(48, 96, 32), (40, 64, 8), (7, 128, 64), (5, 24, 8)])
+def test_dequantized_weights_equal_the_reference_bit_for_bit(out, n_in, group, bf16):
+    """Group halves of 8 bytes or more take the vector path, smaller ones the scalar loop; both round products of
+    float16 scales and levels the way PyTorch does (float32, then to bfloat16 nearest-even)."""
+    torch.manual_seed(out)
+    packed, scale = quantize_weight_int4(torch.randn(out, n_in) * 3, group)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    got = torch.ops.minigpt.q4_dequant(packed, scale, bf16)
+    want = dequantize_weight_int4(packed, scale, group, dtype)
+    assert got.dtype == dtype and got.shape == (out, n_in)
+    assert torch.equal(got.view(torch.int16) if bf16 else got.view(torch.int32),
+                       want.view(torch.int16) if bf16 else want.view(torch.int32))
+    assert torch.equal(torch.ops.minigpt.q4_dequant(packed.t().contiguous().t(), scale, bf16), got)  # strided
+
+
+def test_dequantize_refuses_bad_tensors():
+    packed, scale = quantize_weight_int4(torch.randn(16, 64), 32)
+    with pytest.raises(RuntimeError, match="packed must be uint8"):
+        torch.ops.minigpt.q4_dequant(packed.to(torch.int8), scale, False)
+    with pytest.raises(RuntimeError, match="scale must be float16"):
+        torch.ops.minigpt.q4_dequant(packed, scale.float(), False)
+    with pytest.raises(RuntimeError, match="as many rows"):
+        torch.ops.minigpt.q4_dequant(packed, scale[:8], False)
+    with pytest.raises(RuntimeError, match="do not divide 64 inputs"):
+        torch.ops.minigpt.q4_dequant(packed, torch.ones(16, 3, dtype=torch.float16), False)
+
+
+def test_many_rows_multiply_the_weight_dequantized_by_the_kernel():
+    """Past INT4_ATEN_ROWS_MAX rows (a prefill) the product is the float GEMM on the dequantized weight: the same
+    numbers as dequantize_weight_int4's, the matrix written by minigpt::q4_dequant."""
+    p, dense = _proj(bias=True)
+    x = torch.randn(1, INT4_ATEN_ROWS_MAX + 1, 96)
+    with torch.profiler.profile() as prof:
+        got = p(x)
+    assert "minigpt::q4_dequant" in {e.name for e in prof.events()}
+    if not native_bf16("cpu"):  # else the bf16 GEMM: its own test (test_fastpath_woq)
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, dense) + p.bias, rtol=0, atol=0)
 
 
 def test_shapes_the_kernel_does_not_take_stay_off_its_layout():

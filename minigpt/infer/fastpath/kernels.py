@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minigpt.infer.fastpath.library import OWN_INT8, aten_woq_linear, q4_linear, w8a8_linear
-from minigpt.model.quant import Int4Linear, Int8Linear, dequantize_weight_int4, int4_linear, int8_linear
+from minigpt.model.quant import Int4Linear, Int8Linear, dequantize_weight_int4, int8_linear
 from minigpt.runtime import native_bf16
 
 # Activations, the residual stream and the KV cache of the fast path are float32 whatever the weight dtype: bf16
@@ -113,7 +113,8 @@ class Proj:
         if self.scale is not None and rows > DECODE_ROWS_MAX and x.device.type == "cpu" and native_bf16("cpu"):
             return self._bf16_gemm(x)
         if group_size:
-            return int4_linear(x, w, self.scale, group_size, self.bias)
+            y = F.linear(x, self.dequantized(x.dtype))
+            return y if self.bias is None else y + self.bias
         if self.scale is not None:
             return int8_linear(x, w, self.scale, self.bias)
         if w.dtype == x.dtype:
@@ -125,6 +126,16 @@ class Proj:
             return F.linear(x.to(w.dtype), w, bias).to(x.dtype)
         return F.linear(x, w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The int4 weight as a ``dtype`` matrix ``[out, in]``: ``(q - 8) * scale``, as
+        :func:`~minigpt.model.quant.dequantize_weight_int4`, through ``minigpt::q4_dequant`` (float32 or bfloat16,
+        float16 scales on the CPU; its C++ kernel, where the runner library is loaded, writes the matrix in one pass:
+        0.43 against 1.47 ms for a SmolLM-135M layer's matrices in float32, 2 cores, docs/benchmarks.md)."""
+        if dtype in (torch.float32, torch.bfloat16) and self.scale.dtype == torch.float16 and \
+                self.weight.device.type == "cpu":
+            return torch.ops.minigpt.q4_dequant(self.weight, self.scale, dtype == torch.bfloat16)
+        return dequantize_weight_int4(self.weight, self.scale, self.group_size, dtype)
+
     def _bf16_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """int8/int4 ``p(x)`` for many rows (prefill) on a CPU with native bf16 (AVX512-BF16 / AMX): the weight
         dequantized to bf16 (int8 levels exactly; int4's ``(q - 8) * scale`` rounded to 8 significant bits, ~0.2 %
@@ -132,7 +143,7 @@ class Proj:
         Measured on a 2-core Sapphire Rapids, 512 rows: 2.2--2.8x faster than the float32 dequantize-and-GEMM for
         SmolLM-135M's matrices (docs/benchmarks.md)."""
         if self.scale.dim() == 2:
-            w, scale = dequantize_weight_int4(self.weight, self.scale, self.group_size, torch.bfloat16), None
+            w, scale = self.dequantized(torch.bfloat16), None
         else:
             w, scale = self.weight.to(torch.bfloat16), self.scale.float()
         y = F.linear(x.to(torch.bfloat16), w).float()

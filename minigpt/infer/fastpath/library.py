@@ -33,6 +33,7 @@ from minigpt.infer.launcher import (
     runner_digest,
     trusted,
 )
+from minigpt.model.quant import dequantize_weight_int4
 from minigpt.runtime import cpu_flags
 
 # The projections: kernels.Proj, which imports this module (so typed loosely here).
@@ -406,6 +407,15 @@ def _q4_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.
 
 
 _LIB.impl("q4_mm", _q4_mm, "CompositeExplicitAutograd")
+
+
+# `minigpt::q4_dequant(packed, scale, bf16)`: an int4 matrix (packed [out, in / 2] uint8, scale [out, groups] float16,
+# minigpt.model.quant) as float32, or bfloat16, [out, in], for prefill's GEMM. Reference: dequantize_weight_int4; the
+# C++ kernel (q4_kernel.cpp), registered with q4_mm's, gives the same numbers in one pass.
+_LIB.define("q4_dequant(Tensor packed, Tensor scale, bool bf16) -> Tensor")
+_LIB.impl("q4_dequant", lambda packed, scale, bf16: dequantize_weight_int4(
+    packed, scale, 2 * packed.shape[1] // scale.shape[1], torch.bfloat16 if bf16 else torch.float32),
+    "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("minigpt::q4_mm")
