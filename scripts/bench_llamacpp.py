@@ -77,7 +77,8 @@ def log(msg: str) -> None:
 
 
 def run(cmd, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kw)
+    # errors="replace": a model's text may end mid-character (random weights print stray bytes)
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, errors="replace", **kw)
     if proc.returncode and check:
         raise SystemExit(f"command failed ({proc.returncode}): {' '.join(map(str, cmd))}\n{proc.stderr[-3000:]}")
     return proc

@@ -267,6 +267,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, hidden_dim=1536, max_seq_len=2048,
         rope_theta=10000.0, norm_eps=1e-5,
     ),
+    # TinyLlama-1.1B's shape (TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T config.json; Zhang et al. 2024):
+    # random weights for benchmarks at a size whose weights outgrow a CPU's caches at every precision.
+    "tinyllama-1.1b": dict(
+        vocab_size=32000, dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, hidden_dim=5632, max_seq_len=2048,
+        rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False,
+    ),
 }
 
 

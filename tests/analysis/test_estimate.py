@@ -65,6 +65,14 @@ def test_counts_equal_the_model_for_every_variant(kw):
     assert n["total"] == n["embedding"] + n["attention"] + n["ffn"] + n["norms"] + n["lm_head"]
 
 
+def test_tinyllama_shape_has_its_1_1b_parameters():
+    """TinyLlama-1.1B: 22 layers of dim 2048, 32 query and 4 KV heads, FFN 5632, untied 32,000-row embedding and
+    head: 1,100,048,384 parameters (its model card's 1.1B)."""
+    n = count_parameters(preset("tinyllama-1.1b"))
+    assert n["total"] == 1_100_048_384
+    assert n["embedding"] == n["lm_head"] == 32000 * 2048
+
+
 def test_smollm_135m_shape_has_its_135m_parameters():
     """SmolLM-135M (HuggingFaceTB/SmolLM-135M): 30 layers of dim 576, 9 query and 3 KV heads, FFN 1536, a tied
     49,152-row embedding: 134.5M parameters, 28.3M of them the embedding."""
