@@ -25,7 +25,8 @@ What it does (``python scripts/bench_llamacpp.py [--model SRC | --preset small]`
      process each: start-up, load, prompt, decode; each side reads the weights saved once in that precision:
      the GGUF, and a MiniGPT directory made by ``minigpt export --dtype`` or ``minigpt quantize``;
      ``--cli-compile`` adds ``--compile``, after one untimed call
-     per precision that saves the compiled step for the timed ones to load), with the number of tokens
+     per precision that saves the compiled step for the timed ones to load; ``--cli-warm`` runs each side's call
+     once untimed right before its timed one), with the number of tokens
      each generated (either may stop at EOS) and the decode rate each CLI reports for its call (llama.cpp's
      ``eval time`` line, MiniGPT's ``--stats``).
 
@@ -157,7 +158,14 @@ def hf_source(args, work: Path) -> Path:
 
 def convert(hf_dir: Path, tree: Path, bins: Path, cache: Path, types: list[str]) -> dict[str, Path]:
     """``{llama.cpp type: GGUF path}``, converted with llama.cpp's tools (kept in ``cache/gguf/<hash>``)."""
-    key = hashlib.sha256(str(hf_dir.resolve()).encode() + (hf_dir / "config.json").read_bytes()).hexdigest()[:12]
+    # Keyed by the weights' bytes, not the directory: a --preset run exports to a new temporary directory each
+    # time (the same seed, the same bytes), and a path key left a new set of GGUFs behind per run (31 GB at 1.1B).
+    h = hashlib.sha256((hf_dir / "config.json").read_bytes())
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    key = h.hexdigest()[:12]
     out = cache / "gguf" / key
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
@@ -274,14 +282,19 @@ def cli_calls(bins: Path, gguf: Path, model_dir: Path, kind: str, args) -> dict[
     weights saved in this precision (``gguf``; ``model_dir`` from :func:`cli_sources`)."""
     _, _, dtype, _ = PRECISIONS[kind]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    llama = [bins / "llama-completion", "-m", gguf, "-n", args.new_tokens, "--temp", 0, "-t", args.threads,
+             "-no-cnv", "-p", PROMPT]
+    if args.cli_warm:
+        run_llama(llama, kind, ["--no-repack"])
     t = time.perf_counter()
-    p = run_llama([bins / "llama-completion", "-m", gguf, "-n", args.new_tokens, "--temp", 0, "-t", args.threads,
-                   "-no-cnv", "-p", PROMPT], kind, ["--no-repack"])
+    p = run_llama(llama, kind, ["--no-repack"])
     llama_s = time.perf_counter() - t
     m = re.search(r"\beval time =.*?/\s*(\d+) runs.*?([\d.]+) tokens per second", p.stderr)
     cmd = [sys.executable, "-m", "minigpt", "generate", model_dir, "--prompt", PROMPT, "--max-new-tokens",
            args.new_tokens, "--temperature", 0, "--threads", args.threads, "--dtype", dtype, "--stats"]
     cmd += ["--compile"] if args.cli_compile else []
+    if args.cli_warm:
+        run(cmd, env=env)
     t = time.perf_counter()
     q = run(cmd, env=env)
     ours_s = time.perf_counter() - t
@@ -363,6 +376,10 @@ def main() -> int:
                     help="MiniGPT's compiled step through torch.compile's saved step, not an AOTInductor package")
     ap.add_argument("--cli-compile", dest="cli_compile", action="store_true",
                     help="`minigpt generate --compile`, after one untimed call that fills the compile cache")
+    ap.add_argument("--cli-warm", dest="cli_warm", action="store_true",
+                    help="precede each timed CLI call by the same call untimed, so that both sides find their weights "
+                         "in the page cache (a 1.1B model's four precisions outgrow a 24 GB host's, and the side "
+                         "whose files were read last would have them)")
     ap.add_argument("--json", dest="json_path", help="write every sample here")
     args = ap.parse_args()
     types = [t.strip().upper() for t in args.precisions.split(",") if t.strip()]
@@ -385,6 +402,13 @@ def main() -> int:
         hf_dir = hf_source(args, Path(tmp))
         ggufs = convert(hf_dir, tree, bins, cache, types)
         cli_dirs = {} if args.no_cli else cli_sources(hf_dir, Path(tmp), types)
+        if cli_dirs and not os.environ.get("MINIGPT_NATIVE_CACHE_GB"):
+            # Each precision's CLI calls run from a native bundle, a copy of its weights, and the cache keeps 8 GB of
+            # bundles by default: the four of a 1.1B model (8.5 GB) pushed each other out, so every timed call
+            # rebuilt its own. A user's repeated calls with one model keep theirs; so does this run's limit.
+            need = sum(f.stat().st_size for d in cli_dirs.values() for f in Path(d).iterdir() if f.is_file())
+            os.environ["MINIGPT_NATIVE_CACHE_GB"] = f"{max(8.0, 1.5 * need / 1e9):.1f}"
+            log(f"native bundles kept to {os.environ['MINIGPT_NATIVE_CACHE_GB']} GB for this run")
         log("loading (and compiling) the MiniGPT variants")
         variants = {}
         for kind in types:
