@@ -44,8 +44,8 @@ TINY_MODEL = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_
 
 @pytest.fixture
 def float32_prefill(monkeypatch):
-    """The fast path's float32 dequantized GEMM for many int8/int4 rows even on CPUs with native bf16, where it
-    otherwise runs in bf16 (``Proj._bf16_gemm``, tested with its own bound in
+    """The fast path's float32 GEMM for many rows of bf16, int8 or int4 weights even on CPUs with native bf16, where it
+    otherwise runs in bf16 (``Proj._gemm``, tested with its own bound in
     tests/infer/test_fastpath_prefill_bf16.py): for tests that compare with the float32 model at float32
     tolerances."""
     from minigpt.infer.fastpath import kernels

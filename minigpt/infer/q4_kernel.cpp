@@ -269,17 +269,15 @@ at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
 // Why: PyTorch's element-wise version (unpack, subtract, scale: five passes over the matrix) took 1.47 ms for a
 // SmolLM-135M layer's four matrices on 2 cores (AVX2 capped, Xeon model 167; this kernel 0.43 ms), a quarter of
 // that layer's 128-row prefill.
-inline void dequant_group_scalar(const uint8_t* b, float s, int64_t half, float* lo, float* hi) {
-  for (int64_t j = 0; j < half; ++j) {
-    lo[j] = static_cast<float>((b[j] & 15) - 8) * s;
-    hi[j] = static_cast<float>((b[j] >> 4) - 8) * s;
-  }
-}
+// One value stored as float32, or as bfloat16 rounded to nearest even (torch's conversion).
+inline void store1(float* out, float v) { *out = v; }
+inline void store1(c10::BFloat16* out, float v) { *out = c10::BFloat16(v); }
 
-inline void dequant_group_scalar(const uint8_t* b, float s, int64_t half, c10::BFloat16* lo, c10::BFloat16* hi) {
+template <typename T>
+inline void dequant_group_scalar(const uint8_t* b, float s, int64_t half, T* lo, T* hi) {
   for (int64_t j = 0; j < half; ++j) {
-    lo[j] = c10::BFloat16(static_cast<float>((b[j] & 15) - 8) * s);
-    hi[j] = c10::BFloat16(static_cast<float>((b[j] >> 4) - 8) * s);
+    store1(lo + j, static_cast<float>((b[j] & 15) - 8) * s);
+    store1(hi + j, static_cast<float>((b[j] >> 4) - 8) * s);
   }
 }
 
@@ -291,8 +289,11 @@ __attribute__((target("avx2,fma"))) inline void nibbles8(const uint8_t* b, __m25
   hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(v, 4), eight)), s);
 }
 
-// Eight floats -> eight bfloat16, rounded to nearest even (finite inputs: levels times a float16 scale).
-__attribute__((target("avx2,fma"))) inline void store_bf16(c10::BFloat16* out, __m256 f) {
+// Eight values stored as float32, or as bfloat16 rounded to nearest even (finite inputs: levels times a float16
+// scale), as store1 does one.
+__attribute__((target("avx2,fma"))) inline void store8(float* out, __m256 f) { _mm256_storeu_ps(out, f); }
+
+__attribute__((target("avx2,fma"))) inline void store8(c10::BFloat16* out, __m256 f) {
   __m256i u = _mm256_castps_si256(f);
   __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
@@ -300,23 +301,13 @@ __attribute__((target("avx2,fma"))) inline void store_bf16(c10::BFloat16* out, _
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
 }
 
-__attribute__((target("avx2,fma"))) void dequant_group_avx2(const uint8_t* b, float s, int64_t half, float* lo,
-                                                             float* hi) {
+template <typename T>
+__attribute__((target("avx2,fma"))) void dequant_group_avx2(const uint8_t* b, float s, int64_t half, T* lo, T* hi) {
   __m256 vs = _mm256_set1_ps(s), l, h;
   for (int64_t j = 0; j < half; j += 8) {
     nibbles8(b + j, vs, l, h);
-    _mm256_storeu_ps(lo + j, l);
-    _mm256_storeu_ps(hi + j, h);
-  }
-}
-
-__attribute__((target("avx2,fma"))) void dequant_group_avx2(const uint8_t* b, float s, int64_t half,
-                                                             c10::BFloat16* lo, c10::BFloat16* hi) {
-  __m256 vs = _mm256_set1_ps(s), l, h;
-  for (int64_t j = 0; j < half; j += 8) {
-    nibbles8(b + j, vs, l, h);
-    store_bf16(lo + j, l);
-    store_bf16(hi + j, h);
+    store8(lo + j, l);
+    store8(hi + j, h);
   }
 }
 

@@ -36,6 +36,17 @@ DECODE_ROWS_MAX = 8
 # 79-101, 64 rows 171-183, against the GEMM's 185-189, 202-216 and 229-500 (noisy), ATen's 55-58, 121-137, 219-242.
 INT4_ATEN_ROWS_MAX = 64
 
+# Many-row products convert a weight stored in another dtype than the GEMM's (bf16 into float32 on CPUs without
+# native bf16; int8 and int4 always) this many bytes of converted rows at a time. Why: a whole converted matrix
+# (92 MB for TinyLlama-1.1B's fused gate/up in float32) is a fresh allocation whose every page is faulted in
+# again on every call (22.5 thousand minor faults, 23 ms, for that matrix's int8 -> float32, against 2.3 ms and
+# none in 8 MiB slices, which the allocator hands back for reuse). Measured on a 2-core Xeon (family 6
+# model 167), TinyLlama-1.1B's four matrices of a layer, 128 rows, capped to AVX2, medians of 7: bf16 103 -> 64 ms,
+# int8 103 -> 63 ms, int4 131 -> 81 ms at 8 MiB (0.5 / 1 / 2 / 4 MiB: 84 / 73 / 69 / 65 ms for bf16), an fp32
+# GEMM alone 62 ms; natively (bf16 GEMM) int8 33 -> 22 ms, int4 106 -> 47 ms. At SmolLM-135M's size a matrix is
+# at most 7 MB and the slices change nothing measurable (docs/benchmarks.md).
+PREFILL_SLICE_BYTES = 8 << 20
+
 
 class Proj:
     """One (possibly fused) linear projection ``y = x W^T (* scale) + b``.
@@ -88,8 +99,9 @@ class Proj:
         bf16/fp16 weights: one row goes through ATen's half-precision matrix-vector product (``torch.mv``; measured
         on an AVX512-BF16 CPU, a 135M model's eager bf16 decode ran 46 tokens/s, against 35 through ``F.linear``'s
         oneDNN call) and a few rows (batched decode) through ``F.linear``, on activations rounded to the weight
-        dtype; many rows (prefill) through an fp32 GEMM on the weights upcast
-        once per call, because CPUs without native bf16 run half-precision GEMMs ~100x slower than fp32 ones.
+        dtype; many rows (prefill) through :meth:`_gemm`: oneDNN's bf16 GEMM where the CPU has native bf16, else
+        an fp32 GEMM on the weights upcast a slice of rows at a time, because CPUs without native bf16 run
+        half-precision GEMMs ~100x slower than fp32 ones.
         int8 weights packed for FBGEMM (:func:`w8a8_layout`): any number of rows through :func:`w8a8_linear`, so
         that a row's result never depends on how many rows share the call (a prompt prefilled beside others, a
         chunked prefill, a decode step: the same numbers); held by MiniGPT's kernel alone
@@ -99,7 +111,7 @@ class Proj:
         :func:`~minigpt.infer.fastpath.library.q4_linear`, as in the compiled step. int8/int4 weights given ATen's layout
         (:func:`aten_woq_layout`): a few rows (int4: up to :data:`INT4_ATEN_ROWS_MAX`) through ATen's weight-only
         kernels on bf16 activations (the compiled step's numerics); more rows through the dequantized GEMM, in bf16
-        on CPUs with native bf16 (:meth:`_bf16_gemm`), else in float32."""
+        on CPUs with native bf16, else in float32, converting a slice of rows at a time (:meth:`_gemm`)."""
         w, rows = self.weight, x.numel() // x.shape[-1]
         if self.w8a8 is not None and (self.w8a8 is not OWN_INT8 or rows <= DECODE_ROWS_MAX):
             return w8a8_linear(self, x)  # as in the compiled step: FBGEMM for every row count, MiniGPT's kernel alone
@@ -110,11 +122,8 @@ class Proj:
         if self.aten_layout and rows <= (INT4_ATEN_ROWS_MAX if group_size else DECODE_ROWS_MAX):
             # ATen's kernels, as in the compiled step
             return aten_woq_linear(self, x, group_size)
-        if self.scale is not None and rows > DECODE_ROWS_MAX and x.device.type == "cpu" and native_bf16("cpu"):
-            return self._bf16_gemm(x)
-        if group_size:
-            y = F.linear(x, self.dequantized(x.dtype))
-            return y if self.bias is None else y + self.bias
+        if group_size or (self.scale is not None and rows > DECODE_ROWS_MAX):
+            return self._gemm(x)
         if self.scale is not None:
             return int8_linear(x, w, self.scale, self.bias)
         if w.dtype == x.dtype:
@@ -124,34 +133,56 @@ class Proj:
         if rows <= DECODE_ROWS_MAX:
             bias = None if self.bias is None else self.bias.to(w.dtype)
             return F.linear(x.to(w.dtype), w, bias).to(x.dtype)
-        return F.linear(x, w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return self._gemm(x)
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The int4 weight as a ``dtype`` matrix ``[out, in]``: ``(q - 8) * scale``, as
-        :func:`~minigpt.model.quant.dequantize_weight_int4`, through ``minigpt::q4_dequant`` (float32 or bfloat16,
-        float16 scales on the CPU; its C++ kernel, where the runner library is loaded, writes the matrix in one pass:
-        0.43 against 1.47 ms for a SmolLM-135M layer's matrices in float32, 2 cores, docs/benchmarks.md)."""
-        if dtype in (torch.float32, torch.bfloat16) and self.scale.dtype == torch.float16 and \
-                self.weight.device.type == "cpu":
-            return torch.ops.minigpt.q4_dequant(self.weight, self.scale, dtype == torch.bfloat16)
-        return dequantize_weight_int4(self.weight, self.scale, self.group_size, dtype)
+    def converted(self, dtype: torch.dtype, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+        """Rows ``start:stop`` of the weight as a ``dtype`` matrix ``[stop - start, in]``: int8 levels and bf16/fp16
+        values converted as they are (an int8 weight's per-row scale is applied to the product, :meth:`_gemm`); int4
+        dequantized, ``(q - 8) * scale`` as :func:`~minigpt.model.quant.dequantize_weight_int4`, through
+        ``minigpt::q4_dequant`` (float32 or bfloat16, float16 scales on the CPU; its C++ kernel, where the runner
+        library is loaded, writes the matrix in one pass: 0.43 against 1.47 ms for a SmolLM-135M layer's matrices
+        in float32, 2 cores, docs/benchmarks.md)."""
+        weight = self.weight[start:stop]
+        if not self.group_size:
+            return weight.to(dtype)
+        scale = self.scale[start:stop]
+        if dtype in (torch.float32, torch.bfloat16) and scale.dtype == torch.float16 and weight.device.type == "cpu":
+            return torch.ops.minigpt.q4_dequant(weight, scale, dtype == torch.bfloat16)
+        return dequantize_weight_int4(weight, scale, self.group_size, dtype)
 
-    def _bf16_gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """int8/int4 ``p(x)`` for many rows (prefill) on a CPU with native bf16 (AVX512-BF16 / AMX): the weight
-        dequantized to bf16 (int8 levels exactly; int4's ``(q - 8) * scale`` rounded to 8 significant bits, ~0.2 %
-        against int4's own ~8 % rounding), ``x`` rounded to bf16, oneDNN's bf16 GEMM accumulating in float32.
-        Measured on a 2-core Sapphire Rapids, 512 rows: 2.2--2.8x faster than the float32 dequantize-and-GEMM for
-        SmolLM-135M's matrices (docs/benchmarks.md)."""
-        if self.scale.dim() == 2:
-            w, scale = self.dequantized(torch.bfloat16), None
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """``p(x)`` as one GEMM per slice of :data:`PREFILL_SLICE_BYTES` of converted weight rows (:meth:`converted`),
+        for a weight stored in another dtype than the product's: ``x`` ``[..., in]`` -> ``[..., out]``, ``x``'s dtype.
+
+        More than :data:`DECODE_ROWS_MAX` rows of bf16, int8 or int4 weights on a CPU with native bf16 (AVX512-BF16 /
+        AMX, :func:`~minigpt.runtime.native_bf16`): ``x`` rounded to bf16 and oneDNN's bf16 GEMM accumulating in
+        float32, on bf16 weights as stored (SmolLM-135M, a layer's matrices at 512 rows: 15.7 -> 2.9 ms against the
+        float32 GEMM on weights upcast per call), int8 levels converted exactly, int4's ``(q - 8) * scale`` rounded
+        to 8 significant bits (~0.2 % against int4's own ~8 % rounding); llama.cpp likewise rounds activations to
+        bf16 for its BF16 weights. Elsewhere the product stays in ``x``'s dtype (float32)."""
+        w, scale, n_in = self.weight, self.scale, x.shape[-1]
+        rows = x.numel() // n_in
+        bf16 = (rows > DECODE_ROWS_MAX and x.device.type == "cpu" and x.dtype == torch.float32
+                and (scale is not None or w.dtype == torch.bfloat16) and native_bf16("cpu"))
+        dtype = torch.bfloat16 if bf16 else x.dtype
+        x2 = x.reshape(rows, n_in).to(dtype)
+        if w.dtype == dtype:
+            y = F.linear(x2, w)
         else:
-            w, scale = self.weight.to(torch.bfloat16), self.scale.float()
-        y = F.linear(x.to(torch.bfloat16), w).float()
-        if scale is not None:
-            y = y * scale
+            out = w.shape[0]
+            step = max(16, PREFILL_SLICE_BYTES // (n_in * x2.element_size()) // 16 * 16)
+            if step >= out:
+                y = F.linear(x2, self.converted(dtype))
+            else:
+                y = x2.new_empty(rows, out)
+                for start in range(0, out, step):
+                    y[:, start:start + step] = F.linear(x2, self.converted(dtype, start, start + step))
+        y = y.to(x.dtype)
+        if scale is not None and scale.dim() == 1:
+            y = y * scale.to(x.dtype)
         if self.bias is not None:
-            y = y + self.bias.float()
-        return y.to(x.dtype)
+            y = y + self.bias.to(x.dtype)
+        return y.view(*x.shape[:-1], -1)
 
     @property
     def nbytes(self) -> int:
