@@ -9,6 +9,7 @@ import os
 import platform
 import re
 import resource
+import threading
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -204,6 +205,34 @@ def run_in_child(target, *args) -> None:
     proc.join()
     if proc.exitcode != 0:
         raise MiniGPTError(f"{target.__name__}{args[:1]} failed with exit code {proc.exitcode}")
+
+
+def run_in_thread(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` in a new thread that ends when it returns; its result, or its exception re-raised here.
+
+    For a process whose model runs in a worker thread (the serving engine's): load it here, not in the main thread.
+    PyTorch's CPU ops run on an OpenMP team owned by the thread that calls them, and GNU libgomp keeps a thread's
+    team alive until the thread ends. Once the teams' threads outnumber the cores, libgomp stops spinning between
+    parallel regions and sleeps in the kernel, so every region pays a wake-up: on a 2-core VM with 2 torch threads,
+    a model loaded in the main thread left it a team and the worker's small batched matmul took 81-91 us instead
+    of 9-10 us; `minigpt chat` on SmolLM-135M's shape decoded 19.8 tokens/s instead of 32.6 (fp32) and `minigpt
+    serve` 18.5 instead of 28.4 for one client (docs/benchmarks.md, session 46). The thread is a daemon: Ctrl-C
+    during a load ends the process.
+    """
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn(*args, **kwargs)
+        except BaseException as e:  # re-raised in the caller's thread, traceback included
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name=f"minigpt-{getattr(fn, '__name__', 'task')}", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 @lru_cache(maxsize=None)

@@ -28,7 +28,7 @@ from minigpt.errors import MiniGPTError
 from minigpt.infer.engine import Engine
 from minigpt.infer.sampling import InvalidRequest, SamplingParams, check_length
 from minigpt.infer.stops import default_stop_ids
-from minigpt.runtime import DTYPES, pick_device
+from minigpt.runtime import DTYPES, pick_device, run_in_thread
 from minigpt.tokenizer.chat_template import ChatTemplate, TemplateRejected
 from minigpt.tokenizer.prompt import encode_prompt  # noqa: F401  (re-exported)
 from minigpt.tokenizer.tokenizer import Tokenizer
@@ -74,12 +74,18 @@ def run_chat(source: str, max_tokens: int = 256, temperature: float = 0.8, top_k
         raise MiniGPTError(f"--max-tokens must be a positive integer, got {max_tokens!r}")
     SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     ckpt = resolve_checkpoint(source)
-    model = load_merged(ckpt, adapter, device=pick_device(device), dtype=DTYPES[dtype])
-    tokenizer = load_tokenizer(ckpt)
-    chat = ChatTemplate.for_model(tokenizer, load_chat_template(ckpt))
-    # One slot; the prefix cache's default budget is one slot's context: the whole conversation.
-    engine = Engine(model, tokenizer, max_batch_size=1, stop_ids=default_stop_ids(tokenizer, chat),
-                    context=context, prefix_cache_bytes=None if prefix_cache else 0).start()
+
+    def load() -> tuple[Engine, ChatTemplate]:
+        model = load_merged(ckpt, adapter, device=pick_device(device), dtype=DTYPES[dtype])
+        tokenizer = load_tokenizer(ckpt)
+        chat = ChatTemplate.for_model(tokenizer, load_chat_template(ckpt))
+        # One slot; the prefix cache's default budget is one slot's context: the whole conversation.
+        return Engine(model, tokenizer, max_batch_size=1, stop_ids=default_stop_ids(tokenizer, chat),
+                      context=context, prefix_cache_bytes=None if prefix_cache else 0), chat
+
+    # Loaded in a thread that ends, so that the engine's worker is the process's one OpenMP team (run_in_thread).
+    engine, chat = run_in_thread(load)
+    engine.start()
     context = engine.max_seq_len  # --context, else the model's (within half the free memory)
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)
