@@ -112,7 +112,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     """Chat with a model in the terminal, answers streamed as they are generated (no server needed).
 
     The conversation is rendered with the model's chat template, or a plain "User: ... / Assistant:" one. Type
-    /reset to start over and /quit (or Ctrl-D) to leave; Ctrl-C stops the current answer.
+    /reset to start over and /quit (or Ctrl-D) to leave; Ctrl-C stops the current answer. --compile decodes
+    through the compiled step of `minigpt generate --compile` over the conversation's own KV cache instead of the
+    serving engine: the first answer at each cache length (256, 512, ... tokens) waits for its compilation, saved
+    for later runs.
     """
     import torch
 
@@ -123,7 +126,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     _check_context(args.context)
     return run_chat(args.ckpt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, system=args.system, device=args.device, dtype=args.dtype,
-                    adapter=args.adapter, context=args.context, prefix_cache=not args.no_prefix_cache)
+                    adapter=args.adapter, context=args.context, prefix_cache=not args.no_prefix_cache,
+                    compile=args.compile)
 
 
 def register(sub) -> None:
@@ -181,6 +185,9 @@ def register(sub) -> None:
     p.add_argument("--system", help="a system message opening the conversation")
     p.add_argument("--no-prefix-cache", dest="no_prefix_cache", action="store_true",
                    help="recompute the whole conversation every turn instead of keeping its KV cache between turns")
+    p.add_argument("--compile", action="store_true",
+                   help="decode through the compiled step (as generate --compile): compiled at the first answer of "
+                   "each cache length (256, 512, ... tokens) and saved, so later answers and runs start at once")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, help="torch intra-op threads")

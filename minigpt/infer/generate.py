@@ -37,6 +37,8 @@ def generate_tokens(
     *,
     stop_ids: Sequence[int] = (),
     truncate: bool = False,
+    cache=None,
+    cached: int = 0,
 ) -> Iterator[int]:
     """Yield up to ``params.max_tokens`` new token ids for one prompt, sampled with ``params`` (penalties, bias,
     temperature, min-p, top-k, top-p, seed), stopping after any id in ``stop_ids`` or ``params.stop_token_ids``
@@ -54,26 +56,34 @@ def generate_tokens(
     Plain greedy decoding (temperature 0, nothing adjusting the logits) of a
     :class:`~minigpt.infer.fastpath.FastPath` takes its tokens from
     :meth:`~minigpt.infer.fastpath.FastPath.decode_next`.
+
+    ``cache``: a cache of batch 1 to use (and leave filled) instead of a new one, long enough for the prompt plus
+    ``max_tokens``; its first ``cached`` columns hold the keys and values of ``prompt[:cached]`` already (a
+    conversation's earlier turns, :class:`~minigpt.infer.conversation.Conversation`), so only the rest is
+    prefilled. ``cached`` must leave at least one prompt token to run and does not combine with a truncated prompt.
     """
     device = model_device(model)
     max_tokens = params.max_tokens
     drop, _ = check_length(len(prompt), max_tokens, model.config.max_seq_len, truncate=truncate)
     check_token_ids(prompt, model.config.vocab_size)
+    if not 0 <= cached < len(prompt) - drop or (cached and drop):
+        raise ValueError(f"cached={cached} must be below the prompt's {len(prompt) - drop} tokens, without truncation")
     prompt = list(prompt)[drop:]
     generator = make_generator(params.seed, device)
-    cache = model.new_kv_cache(1, len(prompt) + max_tokens)
-    x = torch.tensor([prompt], dtype=torch.long, device=device)
+    if cache is None:
+        cache = model.new_kv_cache(1, len(prompt) + max_tokens)
+    x = torch.tensor([prompt[cached:]], dtype=torch.long, device=device)
     stop = set(stop_ids) | set(params.stop_token_ids)
     pos = len(prompt)
     out: list[int] = []  # for the penalties (process_logits: the same tensor back when none is asked)
     # Plain greedy needs the argmax only, which FastPath.decode_next finds without the full logits.
     argmax_only = params.greedy and not params.adjusts_logits and hasattr(model, "decode_next")
-    if argmax_only and len(prompt) == 1:
+    if argmax_only and len(prompt) - cached == 1:
         # One token is a decode step: the compiled one where there is one (135M bf16, 2 threads: 11 ms, against
         # 22 ms for the eager forward of a 1-token prefill).
-        token = model.decode_next(x, 0, cache)
+        token = model.decode_next(x, cached, cache)
     else:
-        logits = prefill(model, x, cache)
+        logits = prefill(model, x, cache, start_pos=cached)
         token = sample(process_logits(logits, [params], [prompt], [out]), params, generator)
     for i in range(max_tokens):
         t = int(token.item())
@@ -104,12 +114,14 @@ def make_generator(seed: Optional[int], device: torch.device) -> Optional[torch.
     return generator
 
 
-def prefill(model, tokens: torch.Tensor, cache, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Run the prompt ``tokens`` ``[batch, seq_len]`` from position 0 and return the next-token logits
-    ``[batch, vocab]``; the fast path computes the LM head for the last position only."""
+def prefill(model, tokens: torch.Tensor, cache, attention_mask: Optional[torch.Tensor] = None,
+            start_pos: int = 0) -> torch.Tensor:
+    """Run the prompt ``tokens`` ``[batch, seq_len]`` from position ``start_pos`` (the cache holding the columns
+    before it) and return the next-token logits ``[batch, vocab]``; the fast path computes the LM head for the last
+    position only."""
     if hasattr(model, "decode_step"):
-        return model(tokens, 0, cache, attention_mask, last_only=True)[:, -1]
-    return model(tokens, 0, cache, attention_mask)[:, -1]
+        return model(tokens, start_pos, cache, attention_mask, last_only=True)[:, -1]
+    return model(tokens, start_pos, cache, attention_mask)[:, -1]
 
 
 def decode_step(model, token: torch.Tensor, pos: int, cache, attention_mask: Optional[torch.Tensor] = None,

@@ -19,15 +19,18 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import Iterator, Optional, TextIO
 
 from minigpt.checkpoint.adapter import load_merged
 from minigpt.checkpoint.native import load_chat_template, load_tokenizer, resolve_checkpoint
 from minigpt.checkpoint.tokenizer_bos import adds_bos
 from minigpt.errors import MiniGPTError
+from minigpt.infer.conversation import Conversation
 from minigpt.infer.engine import Engine
+from minigpt.infer.fastpath import load_for_inference
+from minigpt.infer.request import Event
 from minigpt.infer.sampling import InvalidRequest, SamplingParams, check_length
-from minigpt.infer.stops import default_stop_ids
+from minigpt.infer.stops import StopChecker, default_stop_ids
 from minigpt.runtime import DTYPES, pick_device, run_in_thread
 from minigpt.tokenizer.chat_template import ChatTemplate, TemplateRejected
 from minigpt.tokenizer.prompt import encode_prompt  # noqa: F401  (re-exported)
@@ -60,12 +63,16 @@ def _room(ids: list[int], context: int) -> Optional[int]:
 def run_chat(source: str, max_tokens: int = 256, temperature: float = 0.8, top_k: Optional[int] = None,
              top_p: Optional[float] = None, seed: Optional[int] = None, system: Optional[str] = None,
              device: str = "auto", dtype: str = "float32", stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout,
-             adapter: Optional[str] = None, context: Optional[int] = None, prefix_cache: bool = True) -> int:
+             adapter: Optional[str] = None, context: Optional[int] = None, prefix_cache: bool = True,
+             compile: bool = False) -> int:
     """Run the chat loop on ``stdin``/``stdout`` until ``/quit`` or end of input; returns the exit status 0.
 
     ``seed``: turn ``i`` (from 0) samples with seed ``seed + i``, so a replayed conversation answers the same.
     ``adapter``: a PEFT LoRA folder merged into the weights at load. ``prefix_cache``: False prefills every turn's
-    whole conversation (the answers are the same). Raises :class:`~minigpt.errors.MiniGPTError`
+    whole conversation (the answers are the same). ``compile``: no engine; the fast path's compiled decode step
+    over the conversation's own cache (:class:`~minigpt.infer.conversation.Conversation`), the step compiled at the
+    first answer of each cache length (256, 512, ... tokens) and saved for later runs as `minigpt generate
+    --compile` does (greedy answers are the same). Raises :class:`~minigpt.errors.MiniGPTError`
     for an unreadable checkpoint, an adapter made for another base, or sampling settings out of range (before
     loading anything).
     """
@@ -75,18 +82,25 @@ def run_chat(source: str, max_tokens: int = 256, temperature: float = 0.8, top_k
     SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     ckpt = resolve_checkpoint(source)
 
-    def load() -> tuple[Engine, ChatTemplate]:
-        model = load_merged(ckpt, adapter, device=pick_device(device), dtype=DTYPES[dtype])
+    def load() -> tuple[Engine | Conversation, Tokenizer, ChatTemplate]:
         tokenizer = load_tokenizer(ckpt)
         chat = ChatTemplate.for_model(tokenizer, load_chat_template(ckpt))
+        if compile:
+            model = load_for_inference(ckpt, device=pick_device(device), dtype=DTYPES[dtype], compile=True,
+                                       adapter=adapter, aoti=True)
+            return Conversation(model, context), tokenizer, chat
+        model = load_merged(ckpt, adapter, device=pick_device(device), dtype=DTYPES[dtype])
         # One slot; the prefix cache's default budget is one slot's context: the whole conversation.
         return Engine(model, tokenizer, max_batch_size=1, stop_ids=default_stop_ids(tokenizer, chat),
-                      context=context, prefix_cache_bytes=None if prefix_cache else 0), chat
+                      context=context, prefix_cache_bytes=None if prefix_cache else 0), tokenizer, chat
 
     # Loaded in a thread that ends, so that the engine's worker is the process's one OpenMP team (run_in_thread).
-    engine, chat = run_in_thread(load)
-    engine.start()
-    context = engine.max_seq_len  # --context, else the model's (within half the free memory)
+    loaded, tokenizer, chat = run_in_thread(load)
+    conversation = loaded if isinstance(loaded, Conversation) else None
+    engine = None if conversation is not None else loaded.start()
+    # --context, else the model's (the engine's: within half the free memory)
+    context = conversation.context if conversation is not None else engine.max_seq_len
+    stop_ids = default_stop_ids(tokenizer, chat)
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)
     interactive = stdin.isatty()
@@ -143,7 +157,10 @@ def run_chat(source: str, max_tokens: int = 256, temperature: float = 0.8, top_k
             out.write("assistant> ")
             out.flush()
             reply = []
-            events = engine.generate(ids, params)
+            if conversation is not None and not prefix_cache:
+                conversation.reset()
+            events = (engine.generate(ids, params) if conversation is None
+                      else _answer(conversation, tokenizer, ids, params, stop_ids))
             try:
                 for ev in events:
                     if ev.text:
@@ -160,5 +177,24 @@ def run_chat(source: str, max_tokens: int = 256, temperature: float = 0.8, top_k
     except KeyboardInterrupt:
         out.write("\n")
     finally:
-        engine.close()
+        if engine is not None:
+            engine.close()
     return 0
+
+
+def _answer(conversation: Conversation, tokenizer: Tokenizer, prompt: list[int], params: SamplingParams,
+            stop_ids: list[int]) -> Iterator[Event]:
+    """An answer of ``conversation`` as the engine's events: each piece of text once it is final (text that could
+    start a stop string held back), or one error event."""
+    stops = StopChecker(tokenizer, stop=params.stop)
+    tokens = conversation.generate(prompt, params, stop_ids)
+    try:
+        for token in tokens:
+            yield Event(text=stops.push(token))
+            if stops.stopped:
+                return
+        yield Event(text=stops.finish())
+    except InvalidRequest as e:
+        yield Event(error=str(e))
+    finally:
+        tokens.close()

@@ -1,0 +1,88 @@
+"""One conversation's KV cache kept between its turns, for a single-sequence model loop (`minigpt chat --compile`).
+
+Each turn's prompt is the whole conversation so far, re-rendered by the chat template; it starts with the tokens
+of the previous turn's prompt and (most of) its answer, whose keys and values the cache still holds. Only the
+tokens after the longest common prefix are prefilled: the role the serving engine's prefix cache
+(:mod:`minigpt.infer.prefix_cache`) plays for `minigpt chat` without ``--compile``, reduced to the one sequence.
+
+The cache is a :class:`~minigpt.infer.fastpath.FastPath`'s own, so a compiled FastPath decodes through its compiled
+step. That step is one graph per cache length, and attends to every column of the cache under a mask (135M fp32,
+2 threads: 40 tokens/s with a 256-column cache, 28 with 2,048), so the cache grows with the conversation in
+powers of two from :data:`FIRST_LENGTH` columns rather than taking the whole context at once: a few lengths, each
+compiled (and saved) once, none much longer than the conversation.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from minigpt.infer.generate import generate_tokens
+from minigpt.infer.sampling import InvalidRequest, SamplingParams
+
+FIRST_LENGTH = 256  # the first cache length (columns); later ones double, up to the context
+
+
+class Conversation:
+    """Generation for one conversation whose turns share their prefix.
+
+    ``model``: a :class:`~minigpt.infer.fastpath.FastPath` (compiled or not) or a
+    :class:`~minigpt.model.transformer.Transformer`; ``context``: the most tokens the cache may hold (default and
+    maximum: the model's ``max_seq_len``).
+    """
+
+    def __init__(self, model, context: Optional[int] = None) -> None:
+        limit = model.config.max_seq_len
+        if context is not None and not 2 <= context <= limit:
+            raise ValueError(f"context must be between 2 and the model's {limit} tokens, got {context}")
+        self.model, self.context = model, context or limit
+        self.cache = None
+        self.cached: list[int] = []  # the token ids whose keys and values fill the cache's first columns
+
+    def reset(self) -> None:
+        """Forget the conversation (the cache's memory is kept for the next one)."""
+        self.cached = []
+
+    def generate(self, prompt: Sequence[int], params: SamplingParams, stop_ids: Sequence[int] = ()) -> Iterator[int]:
+        """Yield the answer's token ids for ``prompt`` (the whole conversation so far), as
+        :func:`~minigpt.infer.generate.generate_tokens` would from an empty cache, prefilling only the prompt's
+        tokens after those the cache holds. Raises :class:`~minigpt.infer.sampling.InvalidRequest` when the prompt
+        plus ``params.max_tokens`` does not fit in ``context``."""
+        prompt = list(prompt)
+        need = len(prompt) + params.max_tokens
+        if need > self.context:
+            raise InvalidRequest(f"the prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceed the "
+                                 f"context of {self.context} tokens", "prompt")
+        reuse = 0
+        for a, b in zip(self.cached, prompt[:-1]):  # at least one prompt token is run: its logits start the answer
+            if a != b:
+                break
+            reuse += 1
+        self._make_room(need, reuse)
+        self.cached = prompt[:reuse]  # the columns after these are about to change
+        answer: list[int] = []
+        try:
+            for token in generate_tokens(self.model, prompt, params, stop_ids=stop_ids, cache=self.cache,
+                                         cached=reuse):
+                answer.append(token)
+                yield token
+        finally:
+            # Every answer token but the last has been run through the model (the last one too when a stop id
+            # followed, but a shorter prefix of what the cache holds is always right); no answer token: the
+            # prefill may not have finished (Ctrl-C).
+            self.cached = prompt + answer[:-1] if answer else prompt[:reuse]
+
+    @torch.inference_mode()
+    def _make_room(self, need: int, keep: int) -> None:
+        """A cache of at least ``need`` columns whose first ``keep`` columns are the current cache's."""
+        if self.cache is not None and self.cache.max_seq_len >= need:
+            return
+        length = FIRST_LENGTH
+        while length < need:
+            length *= 2
+        new = self.model.new_kv_cache(1, min(length, self.context))
+        if self.cache is not None and keep:
+            for old_k, old_v, k, v in zip(self.cache.k, self.cache.v, new.k, new.v):
+                k[:, :, :keep].copy_(old_k[:, :, :keep])
+                v[:, :, :keep].copy_(old_v[:, :, :keep])
+        self.cache = new

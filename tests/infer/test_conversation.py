@@ -1,0 +1,78 @@
+"""A Conversation answers each turn exactly as a generation from an empty cache would, prefills only the tokens
+after those its cache holds, grows its cache in powers of two without losing the held columns, and never claims
+columns a stopped or interrupted turn did not finish."""
+import pytest
+import torch
+from conftest import random_model
+
+from minigpt.infer.conversation import FIRST_LENGTH, Conversation
+from minigpt.infer.fastpath import FastPath
+from minigpt.infer.generate import generate_tokens
+from minigpt.infer.sampling import InvalidRequest, SamplingParams
+
+SHAPE = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=1024, multiple_of=16)
+GREEDY = SamplingParams(max_tokens=20, temperature=0)
+
+
+def prefilled_lengths(model, monkeypatch) -> list[int]:
+    """Record the number of tokens of each multi-token forward of ``model`` (its prefills)."""
+    seen, real = [], type(model).forward
+
+    def spy(self, tokens, *a, **k):
+        if tokens.shape[1] > 1:
+            seen.append(tokens.shape[1])
+        return real(self, tokens, *a, **k)
+
+    monkeypatch.setattr(type(model), "forward", spy)
+    return seen
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fastpath", "transformer"])
+def test_turns_answer_as_from_an_empty_cache_and_prefill_only_the_new_tokens(fast, monkeypatch):
+    model = random_model(SHAPE, noise=0.5)
+    model = FastPath(model) if fast else model
+    conversation = Conversation(model)
+    prompt, lengths = [1, 2, 3, 4, 5], []
+    seen = prefilled_lengths(model, monkeypatch)
+    for _ in range(5):
+        answer = list(conversation.generate(prompt, GREEDY))
+        lengths.append(conversation.cache.max_seq_len)
+        fresh = list(generate_tokens(model, prompt, GREEDY))
+        assert answer == fresh and len(answer) == GREEDY.max_tokens
+        # The next turn: this conversation, its answer, and a new message of 100 tokens.
+        prompt = prompt + answer + [(i * 7) % 61 for i in range(100)]
+    # Conversation's prefills alternate with the fresh runs' (whole prompts): only the message and the answer's
+    # last token (never run through the model) were new.
+    assert seen[0::2] == [5] + [101] * 4
+    assert seen[1::2] == [5 + 120 * t for t in range(5)]
+    assert lengths == [FIRST_LENGTH, FIRST_LENGTH, 2 * FIRST_LENGTH, 2 * FIRST_LENGTH, 2 * FIRST_LENGTH]
+
+
+def test_a_stopped_answer_and_an_interrupted_turn_keep_only_finished_columns():
+    model = FastPath(random_model(SHAPE, noise=0.5))
+    conversation = Conversation(model)
+    prompt = [1, 2, 3, 4, 5]
+    tokens = conversation.generate(prompt, GREEDY)
+    first = [next(tokens), next(tokens), next(tokens)]
+    tokens.close()  # a stop string matched: the caller stops reading
+    assert conversation.cached == prompt + first[:2]
+    longer = prompt + first + [9, 9, 9]
+    tokens = conversation.generate(longer, GREEDY)
+    tokens.close()  # closed before its prefill ran: nothing new is claimed
+    assert conversation.cached == prompt + first[:2]
+    assert list(conversation.generate(longer, GREEDY)) == list(generate_tokens(model, longer, GREEDY))
+
+
+def test_a_turn_past_the_context_is_refused_and_a_reset_forgets():
+    model = FastPath(random_model(SHAPE, noise=0.5))
+    with pytest.raises(ValueError, match="context"):
+        Conversation(model, context=2048)
+    conversation = Conversation(model, context=100)
+    with pytest.raises(InvalidRequest, match="context of 100"):
+        list(conversation.generate(list(range(1, 60)), SamplingParams(max_tokens=50, temperature=0)))
+    list(conversation.generate([1, 2, 3], GREEDY))
+    assert conversation.cache.max_seq_len <= 128 and conversation.cached
+    conversation.reset()
+    assert conversation.cached == []
+    torch.testing.assert_close(torch.tensor(list(conversation.generate([1, 2, 3], GREEDY))),
+                               torch.tensor(list(generate_tokens(model, [1, 2, 3], GREEDY))))
