@@ -48,7 +48,6 @@ from minigpt.infer.engine import Engine
 from minigpt.infer.metrics import CONTENT_TYPE
 from minigpt.infer.request import EngineClosed, Event, QueueFull
 from minigpt.infer.sampling import InvalidRequest, SamplingParams
-from minigpt.runtime import run_in_thread
 from minigpt.serve.chat import encode_prompt, prompt_bos
 from minigpt.serve.models import load_engine, model_list, resolve_model
 from minigpt.serve.openapi import openapi_document
@@ -453,11 +452,9 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optio
     ckpt = resolve_checkpoint(source)
     tokenizer = load_tokenizer(ckpt)
     name = model_name or (ckpt.stem if ckpt.is_file() else ckpt.name)
-    # Loaded in a thread that ends, so that the engine's worker is the process's one OpenMP team (run_in_thread).
-    engine = run_in_thread(load_engine, ckpt, tokenizer, adapter, adapters, device, dtype, name,
-                           max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens, max_queue=max_queue,
-                           max_prefill_tokens=max_prefill_tokens, context=context,
-                           prefix_cache_bytes=prefix_cache_bytes)
+    engine = load_engine(ckpt, tokenizer, adapter, adapters, device, dtype, name, max_batch_size=max_batch_size,
+                         max_batch_tokens=max_batch_tokens, max_queue=max_queue,
+                         max_prefill_tokens=max_prefill_tokens, context=context, prefix_cache_bytes=prefix_cache_bytes)
     state = ServerState(engine, tokenizer, name, api_key, load_chat_template(ckpt), request_timeout,
                         add_bos=prompt_bos(ckpt, tokenizer), max_body_bytes=max_body_bytes)
     app = create_app(state)

@@ -10,7 +10,7 @@ from typing import Any, Optional
 from minigpt.checkpoint.adapter import load_merged, read_adapter
 from minigpt.errors import MiniGPTError
 from minigpt.infer.engine import Engine
-from minigpt.runtime import DTYPES, pick_device
+from minigpt.runtime import DTYPES, pick_device, run_in_thread
 from minigpt.serve.schemas import bad_request
 from minigpt.tokenizer.tokenizer import Tokenizer
 
@@ -22,7 +22,15 @@ def load_engine(ckpt: Path, tokenizer: Tokenizer, adapter: Optional[str] = None,
     folders ``adapters`` (name -> folder) served per request over the unmerged base (``base_name``: the base's
     model name, which no adapter may take). ``engine_kw`` go to
     :class:`Engine`. Raises :class:`MiniGPTError` for an unreadable model or adapter, an adapter made for another
-    base, or a tokenizer larger than the model's vocabulary."""
+    base, or a tokenizer larger than the model's vocabulary.
+
+    Built in a thread that ends (:func:`~minigpt.runtime.run_in_thread`), so that the engine's worker is the
+    process's one OpenMP team."""
+    return run_in_thread(_build_engine, ckpt, tokenizer, adapter, adapters, device, dtype, base_name, **engine_kw)
+
+
+def _build_engine(ckpt: Path, tokenizer: Tokenizer, adapter: Optional[str], adapters: Optional[dict[str, str]],
+                  device: str, dtype: str, base_name: Optional[str], **engine_kw: Any) -> Engine:
     if adapter is not None and adapters:
         raise MiniGPTError("--adapter DIR (merged) and --adapter NAME=DIR (served by name) do not mix; name them all")
     if base_name in (adapters or {}):

@@ -13,6 +13,7 @@ from conftest import TINY_MODEL, random_model
 
 import minigpt.serve.app as app_module
 import minigpt.serve.chat as chat_module
+import minigpt.serve.models as models_module
 from minigpt.checkpoint.native import save_pretrained
 from minigpt.errors import MiniGPTError
 from minigpt.runtime import run_in_thread
@@ -86,9 +87,9 @@ def test_serve_loads_its_engine_outside_the_main_thread(ckpt, monkeypatch):
 
     def spy(*a, **k):
         seen.append(threading.current_thread() is threading.main_thread())
-        raise MiniGPTError("stop here")  # the engine is all this test needs to see built
+        raise MiniGPTError("stop here")  # where the model loads is all this test needs to see
 
-    monkeypatch.setattr(app_module, "load_engine", spy)
+    monkeypatch.setattr(models_module, "load_merged", spy)
     with pytest.raises(MiniGPTError, match="stop here"):
         app_module.serve(str(ckpt), port=0, device="cpu")
     assert seen == [False]
