@@ -127,7 +127,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return run_chat(args.ckpt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, system=args.system, device=args.device, dtype=args.dtype,
                     adapter=args.adapter, context=args.context, prefix_cache=not args.no_prefix_cache,
-                    compile=args.compile)
+                    compile=args.compile, stats=args.stats)
 
 
 def register(sub) -> None:
@@ -188,6 +188,8 @@ def register(sub) -> None:
     p.add_argument("--compile", action="store_true",
                    help="decode through the compiled step (as generate --compile): compiled at the first answer of "
                    "each cache length (256, 512, ... tokens) and saved, so later answers and runs start at once")
+    p.add_argument("--stats", action="store_true",
+                   help="after each answer print to stderr its time to first token, decode tokens/s and compile time")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, help="torch intra-op threads")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Iterator, Optional, TextIO
 
@@ -64,7 +65,7 @@ def run_chat(source: str, max_tokens: int = 256, temperature: float = 0.8, top_k
              top_p: Optional[float] = None, seed: Optional[int] = None, system: Optional[str] = None,
              device: str = "auto", dtype: str = "float32", stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout,
              adapter: Optional[str] = None, context: Optional[int] = None, prefix_cache: bool = True,
-             compile: bool = False) -> int:
+             compile: bool = False, stats: bool = False) -> int:
     """Run the chat loop on ``stdin``/``stdout`` until ``/quit`` or end of input; returns the exit status 0.
 
     ``seed``: turn ``i`` (from 0) samples with seed ``seed + i``, so a replayed conversation answers the same.
@@ -72,7 +73,9 @@ def run_chat(source: str, max_tokens: int = 256, temperature: float = 0.8, top_k
     whole conversation (the answers are the same). ``compile``: no engine; the fast path's compiled decode step
     over the conversation's own cache (:class:`~minigpt.infer.conversation.Conversation`), the step compiled at the
     first answer of each cache length (256, 512, ... tokens) and saved for later runs as `minigpt generate
-    --compile` does (greedy answers are the same). Raises :class:`~minigpt.errors.MiniGPTError`
+    --compile` does (greedy answers are the same). ``stats``: after each answer, one line on stderr: prompt
+    tokens, time to first token (s), decode tokens/s after the first token, compilation (s, excluded from both).
+    Raises :class:`~minigpt.errors.MiniGPTError`
     for an unreadable checkpoint, an adapter made for another base, or sampling settings out of range (before
     loading anything).
     """
@@ -161,8 +164,10 @@ def run_chat(source: str, max_tokens: int = 256, temperature: float = 0.8, top_k
                 conversation.reset()
             events = (engine.generate(ids, params) if conversation is None
                       else _answer(conversation, tokenizer, ids, params, stop_ids))
+            clock = _AnswerClock(conversation)
             try:
                 for ev in events:
+                    clock.tick(ev.completion_tokens)
                     if ev.text:
                         reply.append(ev.text)
                         out.write(ev.text)
@@ -173,6 +178,8 @@ def run_chat(source: str, max_tokens: int = 256, temperature: float = 0.8, top_k
                 events.close()  # cancels the generation
                 out.write(" (stopped)")
             out.write("\n")
+            if stats:
+                print(clock.line(len(ids)), file=sys.stderr, flush=True)
             history.append({"role": "assistant", "content": "".join(reply).strip()})
     except KeyboardInterrupt:
         out.write("\n")
@@ -188,13 +195,44 @@ def _answer(conversation: Conversation, tokenizer: Tokenizer, prompt: list[int],
     start a stop string held back), or one error event."""
     stops = StopChecker(tokenizer, stop=params.stop)
     tokens = conversation.generate(prompt, params, stop_ids)
+    n = 0
     try:
-        for token in tokens:
-            yield Event(text=stops.push(token))
+        for n, token in enumerate(tokens, 1):
+            yield Event(text=stops.push(token), completion_tokens=n)
             if stops.stopped:
                 return
-        yield Event(text=stops.finish())
+        yield Event(text=stops.finish(), completion_tokens=n)
     except InvalidRequest as e:
         yield Event(error=str(e))
     finally:
         tokens.close()
+
+
+class _AnswerClock:
+    """``--stats`` of one answer: time to first token, and the decode rate of the tokens after it, compilation
+    (the compiled step's first call at a new cache length) excluded as `minigpt generate --stats` does."""
+
+    def __init__(self, conversation: Optional[Conversation]) -> None:
+        self.model = conversation.model if conversation is not None else None
+        self.start, self.first, self.last, self.tokens = time.perf_counter(), None, None, 0
+        self.compiled = self.first_compiled = self._compile_seconds()
+
+    def _compile_seconds(self) -> float:
+        return getattr(self.model, "compile_seconds", 0.0)
+
+    def tick(self, tokens: int) -> None:
+        """An event that reports ``tokens`` generated so far."""
+        if tokens > self.tokens:
+            self.last, self.tokens = time.perf_counter(), tokens
+            if self.first is None:
+                self.first, self.first_compiled = self.last, self._compile_seconds()
+
+    def line(self, prompt_tokens: int) -> str:
+        if self.first is None:
+            return f"[prompt {prompt_tokens} tokens | no answer tokens]"
+        compile_s = self._compile_seconds() - self.compiled
+        decode_s = self.last - self.first - (self._compile_seconds() - self.first_compiled)
+        rate = f"{(self.tokens - 1) / decode_s:.2f} tokens/s" if self.tokens > 1 and decode_s > 0 else "n/a"
+        ttft = self.first - self.start - (self.first_compiled - self.compiled)
+        return (f"[prompt {prompt_tokens} tokens | time to first token {ttft:.2f} s | decode {rate} "
+                f"({self.tokens} tokens) | compile {compile_s:.2f} s]")

@@ -2,6 +2,7 @@
 strings and the held-back text are those of the engine's chat; the compiled step's answers too (slow)."""
 import io
 import random
+import re
 
 import pytest
 from conftest import TINY_MODEL, random_model
@@ -70,6 +71,20 @@ def test_stop_strings_end_the_compiled_path_answer_too(ckpt, monkeypatch):
     uncompiled_conversations(monkeypatch)
     assert transcript(ckpt, compile=True) == engine
     assert engine != plain and stop not in engine.split("assistant> ")[1].split("\n")[0]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["engine", "conversation"])
+def test_stats_print_each_answers_first_token_decode_rate_and_compile_time(ckpt, monkeypatch, capsys, compiled):
+    if compiled:
+        uncompiled_conversations(monkeypatch)
+    out = transcript(ckpt, compile=compiled, stats=True)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == out.count("assistant> ") == 3
+    for line in lines:
+        m = re.fullmatch(r"\[prompt (\d+) tokens \| time to first token (\d+\.\d\d) s \| decode (\d+\.\d\d) "
+                         r"tokens/s \((\d+) tokens\) \| compile (\d+\.\d\d) s\]", line)
+        assert m, line
+        assert int(m[1]) > 0 and float(m[3]) > 0 and 1 < int(m[4]) <= 16 and float(m[5]) == 0.0
 
 
 @pytest.mark.slow
