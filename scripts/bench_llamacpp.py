@@ -28,7 +28,11 @@ What it does (``python scripts/bench_llamacpp.py [--model SRC | --preset small]`
      per precision that saves the compiled step for the timed ones to load; ``--cli-warm`` runs each side's call
      once untimed right before its timed one), with the number of tokens
      each generated (either may stop at EOS) and the decode rate each CLI reports for its call (llama.cpp's
-     ``eval time`` line, MiniGPT's ``--stats``).
+     ``eval time`` line, MiniGPT's ``--stats``);
+   * with ``--chat``: the decode rate and time to first token of `minigpt chat --compile --stats` answering three
+     user turns greedily (``--new-tokens`` each, the conversation's KV cache kept between turns; medians over the
+     answers), after one untimed conversation that compiles and saves its steps; its ratio is to llama-bench's
+     ``tg`` (llama.cpp's decode from an empty context).
 
    MiniGPT's matching precision: F32 = fp32, F16 = fp16 weights, BF16 = bf16 weights, Q8_0 = int8 weight-only
    (per channel), Q4_0 = int4 weight-only (groups of 32, Q4_0's own layout). Ratios are MiniGPT / llama.cpp for
@@ -71,6 +75,7 @@ PRECISIONS = {
 FLAGS = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
          "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16")
 PROMPT = "Once upon a time, there was a little girl"
+CHAT = "Tell me a story about a little girl.\nWhat happened next?\nAnd then?\n"  # --chat's three user turns
 
 
 def log(msg: str) -> None:
@@ -307,6 +312,20 @@ def cli_calls(bins: Path, gguf: Path, model_dir: Path, kind: str, args) -> dict[
             "minigpt_cli_decode": float(d.group(1)) if d else float("nan")}
 
 
+def chat_call(model_dir: Path, kind: str, args, compile: bool = True) -> dict[str, float]:
+    """One `minigpt chat --stats` conversation of three greedy answers of ``--new-tokens`` tokens each (the
+    conversation growing to ~400 tokens); the median of its answers' decode rates and times to first token."""
+    cmd = [sys.executable, "-m", "minigpt", "chat", model_dir, "--stats", "--temperature", 0, "--max-tokens",
+           args.new_tokens, "--threads", args.threads, "--dtype", PRECISIONS[kind][2], *(["--compile"] * compile)]
+    p = subprocess.run([str(c) for c in cmd], input=CHAT, capture_output=True, text=True, check=True,
+                       env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+    answers = re.findall(r"time to first token ([\d.]+) s \| decode ([\d.]+) tokens/s", p.stderr)
+    if len(answers) != CHAT.count("\n"):
+        raise SystemExit(f"minigpt chat printed {len(answers)} --stats lines:\n{p.stderr[-2000:]}")
+    return {"chat_decode": statistics.median(float(d) for _, d in answers),
+            "chat_ttft_s": statistics.median(float(t) for t, _ in answers)}
+
+
 # ----------------------------------------------------------------------------------------------- report
 def cpu_description() -> str:
     model, flags = "unknown CPU", []
@@ -331,6 +350,8 @@ def table(samples: dict, types: list[str], args) -> str:
     if not args.no_cli:
         head += ["CLI wall s llama.cpp", "MiniGPT", "ratio", "tokens (llama.cpp / MiniGPT)",
                  "CLI decode tok/s llama.cpp", "MiniGPT", "ratio"]
+    if args.chat:
+        head += ["chat --compile decode tok/s", "ratio to llama.cpp decode", "chat TTFT ms"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for kind in types:
         row = [kind + (" (no repack)" if kind in NO_REPACK else ""), PRECISIONS[kind][1]]
@@ -344,6 +365,9 @@ def table(samples: dict, types: list[str], args) -> str:
             row += [f"{a:.2f}", f"{b:.2f}", f"**{a / b:.2f}×**", counts]
             a, b = med("cli", kind, "llama_cli_decode"), med("cli", kind, "minigpt_cli_decode")
             row += [f"{a:,.2f}", f"{b:,.2f}", f"**{b / a:.2f}×**"]
+        if args.chat:
+            a, b = med("llama", kind, "decode"), med("chat", kind, "chat_decode")
+            row += [f"{b:,.2f}", f"**{b / a:.2f}×**", f"{med('chat', kind, 'chat_ttft_s') * 1000:,.0f}"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -380,6 +404,9 @@ def main() -> int:
                     help="precede each timed CLI call by the same call untimed, so that both sides find their weights "
                          "in the page cache (a 1.1B model's four precisions outgrow a 24 GB host's, and the side "
                          "whose files were read last would have them)")
+    ap.add_argument("--chat", action="store_true",
+                    help="also time `minigpt chat --compile --stats` (three greedy answers of --new-tokens tokens, "
+                         "after one untimed conversation that compiles its steps) against llama-bench's decode")
     ap.add_argument("--json", dest="json_path", help="write every sample here")
     args = ap.parse_args()
     types = [t.strip().upper() for t in args.precisions.split(",") if t.strip()]
@@ -401,7 +428,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-llamacpp-") as tmp:
         hf_dir = hf_source(args, Path(tmp))
         ggufs = convert(hf_dir, tree, bins, cache, types)
-        cli_dirs = {} if args.no_cli else cli_sources(hf_dir, Path(tmp), types)
+        cli_dirs = {} if args.no_cli and not args.chat else cli_sources(hf_dir, Path(tmp), types)
         if cli_dirs and not os.environ.get("MINIGPT_NATIVE_CACHE_GB"):
             # Each precision's CLI calls run from a native bundle, a copy of its weights, and the cache keeps 8 GB of
             # bundles by default: the four of a 1.1B model (8.5 GB) pushed each other out, so every timed call
@@ -420,15 +447,20 @@ def main() -> int:
                 # One untimed call first: it compiles the CLI's decode step and saves it in the compile cache
                 # (minigpt.infer.fastpath.aot), so the timed calls measure a user's second and later runs.
                 cli_calls(bins, ggufs[kind], cli_dirs[kind], kind, args)
-        samples = {"llama": {k: [] for k in types}, "minigpt": {k: [] for k in types}, "cli": {k: [] for k in types}}
+            if args.chat:
+                chat_call(cli_dirs[kind], kind, args)
+        samples = {side: {k: [] for k in types} for side in ("llama", "minigpt", "cli", "chat")}
         for r in range(args.rounds):
             for kind in types:
                 samples["llama"][kind].append(llama_bench(bins, ggufs[kind], kind, args))
                 samples["minigpt"][kind].append(minigpt_measure(variants[kind], args))
                 if not args.no_cli:
                     samples["cli"][kind].append(cli_calls(bins, ggufs[kind], cli_dirs[kind], kind, args))
+                if args.chat:
+                    samples["chat"][kind].append(chat_call(cli_dirs[kind], kind, args))
                 log(f"round {r + 1}/{args.rounds} {kind}: llama.cpp {samples['llama'][kind][-1]} | MiniGPT "
-                    f"{samples['minigpt'][kind][-1]}" + ("" if args.no_cli else f" | {samples['cli'][kind][-1]}"))
+                    f"{samples['minigpt'][kind][-1]}" + ("" if args.no_cli else f" | {samples['cli'][kind][-1]}")
+                    + (f" | {samples['chat'][kind][-1]}" if args.chat else ""))
     report = table(samples, types, args)
     restricted = ("; both sides restricted to AVX2 (llama.cpp built for it, MiniGPT under ATEN_CPU_CAPABILITY=avx2, "
                   "ONEDNN_MAX_CPU_ISA=AVX2 and MKL_ENABLE_INSTRUCTIONS=AVX2)") if args.isa == "avx2" else ""
