@@ -390,7 +390,9 @@ class FastPath(nn.Module):
         at the first call (by :meth:`decode_next`: only greedy decoding pays for it; 135M fp32: ~0.07 s), or
         None: not compiled, turned off, a head that is not float."""
         if self._screen_pending:
+            t0 = time.perf_counter()  # set-up, counted as compiling: a machine's first builds its kernel (~16 s)
             self._screen_pending, self.screen = False, build_screen(self.head)
+            self.compile_seconds += time.perf_counter() - t0
         return self.screen
 
     def _run_step(self, tokens: torch.Tensor, pos: int, kv_cache: KVCache, pad: Optional[torch.Tensor],
