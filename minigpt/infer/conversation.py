@@ -17,7 +17,8 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from minigpt.infer.generate import generate_tokens
+from minigpt.infer.generate import generate_tokens, model_device
+from minigpt.infer.request import free_memory, kv_cache_bytes, plan_context
 from minigpt.infer.sampling import InvalidRequest, SamplingParams
 
 FIRST_LENGTH = 256  # the first cache length (columns); later ones double, up to the context
@@ -27,15 +28,17 @@ class Conversation:
     """Generation for one conversation whose turns share their prefix.
 
     ``model``: a :class:`~minigpt.infer.fastpath.FastPath` (compiled or not) or a
-    :class:`~minigpt.model.transformer.Transformer`; ``context``: the most tokens the cache may hold (default and
-    maximum: the model's ``max_seq_len``).
+    :class:`~minigpt.model.transformer.Transformer`; ``context``: the most tokens the cache may hold, at most the
+    model's ``max_seq_len`` (default: that, capped to half the free memory, as the engine's
+    :func:`~minigpt.infer.request.plan_context`, which raises :class:`~minigpt.errors.MiniGPTError` for a bad one).
     """
 
     def __init__(self, model, context: Optional[int] = None) -> None:
-        limit = model.config.max_seq_len
-        if context is not None and not 2 <= context <= limit:
-            raise ValueError(f"context must be between 2 and the model's {limit} tokens, got {context}")
-        self.model, self.context = model, context or limit
+        c = model.config
+        dtype = getattr(model, "act_dtype", None) or model.tok_embeddings.weight.dtype  # what new_kv_cache holds
+        per_token = kv_cache_bytes(c.n_layers, c.n_kv_heads, c.head_dim, 1, 1, dtype)
+        budget = free_memory(model_device(model)) // 2 if context is None else None
+        self.model, self.context = model, plan_context(c.max_seq_len, per_token, context, budget)
         self.cache = None
         self.cached: list[int] = []  # the token ids whose keys and values fill the cache's first columns
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 from conftest import random_model
 
+from minigpt.errors import MiniGPTError
 from minigpt.infer.conversation import FIRST_LENGTH, Conversation
 from minigpt.infer.fastpath import FastPath
 from minigpt.infer.generate import generate_tokens
@@ -65,8 +66,10 @@ def test_a_stopped_answer_and_an_interrupted_turn_keep_only_finished_columns():
 
 def test_a_turn_past_the_context_is_refused_and_a_reset_forgets():
     model = FastPath(random_model(SHAPE, noise=0.5))
-    with pytest.raises(ValueError, match="context"):
+    with pytest.raises(MiniGPTError, match="exceeds the model's context of 1024 tokens"):
         Conversation(model, context=2048)
+    with pytest.raises(MiniGPTError, match="at least 2 tokens"):
+        Conversation(model, context=1)
     conversation = Conversation(model, context=100)
     with pytest.raises(InvalidRequest, match="context of 100"):
         list(conversation.generate(list(range(1, 60)), SamplingParams(max_tokens=50, temperature=0)))
