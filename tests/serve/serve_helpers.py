@@ -1,4 +1,5 @@
-"""Helpers shared by the serving tests: a quickly trained tiny model, and a `minigpt serve` subprocess."""
+"""Helpers shared by the serving tests: a quickly trained tiny model, a random one for chats, and a `minigpt serve`
+subprocess."""
 from __future__ import annotations
 
 import os
@@ -17,6 +18,23 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS
        "PYTHONUNBUFFERED": "1"}
 # A long context so that a long generation takes long enough to be cancelled or drained mid-way.
 SERVED_MODEL = {**TINY_MODEL, "max_seq_len": 512}
+CHAT_WORDS = "the cat sat on a mat why is sky blue tell me about tea please answer briefly".split()
+
+
+def chat_model(directory: Path) -> Path:
+    """A random SERVED_MODEL-shaped model (weights with noise 0.5, so answers vary) with a 300-token BPE trained on
+    sentences of CHAT_WORDS, saved in ``directory / "m"``."""
+    import random
+
+    from conftest import random_model
+
+    from minigpt.checkpoint.native import save_pretrained
+    from minigpt.tokenizer.tokenizer import train_tokenizer
+
+    rng = random.Random(0)
+    tok = train_tokenizer([" ".join(rng.choice(CHAT_WORDS) for _ in range(12)) for _ in range(200)], 300)
+    model = random_model(dict(vocab_size=tok.vocab_size, **SERVED_MODEL), noise=0.5)
+    return save_pretrained(model, directory / "m", tokenizer=tok)
 
 
 def train_tiny_model(data_dir: Path, out: Path, steps: int = 200):

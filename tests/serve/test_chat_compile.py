@@ -1,27 +1,20 @@
 """`minigpt chat --compile` answers through a Conversation over the fast path (no engine): greedy answers, stop
 strings and the held-back text are those of the engine's chat; the compiled step's answers too (slow)."""
 import io
-import random
 import re
 
 import pytest
-from conftest import TINY_MODEL, random_model
+from serve_helpers import chat_model
 
 import minigpt.serve.chat as chat_module
-from minigpt.checkpoint.native import save_pretrained
 from minigpt.infer.fastpath import load_for_inference
-from minigpt.tokenizer.tokenizer import train_tokenizer
 
-WORDS = "the cat sat on a mat why is sky blue tell me about tea please answer briefly".split()
 QUESTIONS = "tell me about the cat\nand why is the sky blue\n/reset\nplease answer briefly\n"
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    rng = random.Random(0)
-    tok = train_tokenizer([" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(200)], 300)
-    model = random_model(dict(vocab_size=tok.vocab_size, **{**TINY_MODEL, "max_seq_len": 512}), noise=0.5)
-    return save_pretrained(model, tmp_path_factory.mktemp("chat") / "m", tokenizer=tok)
+    return chat_model(tmp_path_factory.mktemp("chat"))
 
 
 def transcript(ckpt, monkeypatch=None, **kw) -> str:

@@ -1,25 +1,17 @@
 """`minigpt chat` keeps its conversation's keys and values between turns: the second turn reuses the first turn's
 prompt and answer from the prefix cache and answers exactly what a run recomputing everything answers."""
 import io
-import random
 
 import pytest
-from conftest import TINY_MODEL, random_model
+from serve_helpers import CHAT_WORDS, chat_model
 
 import minigpt.serve.chat as chat_module
-from minigpt.checkpoint.native import save_pretrained
 from minigpt.infer.engine import Engine
-from minigpt.tokenizer.tokenizer import train_tokenizer
-
-WORDS = "the cat sat on a mat why is sky blue tell me about tea please answer briefly".split()
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    rng = random.Random(0)
-    tok = train_tokenizer([" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(200)], 300)
-    model = random_model(dict(vocab_size=tok.vocab_size, **{**TINY_MODEL, "max_seq_len": 512}), noise=0.5)
-    return save_pretrained(model, tmp_path_factory.mktemp("chat") / "m", tokenizer=tok)
+    return chat_model(tmp_path_factory.mktemp("chat"))
 
 
 def chat(ckpt, monkeypatch, **kw):
@@ -37,7 +29,7 @@ def chat(ckpt, monkeypatch, **kw):
 
     monkeypatch.setattr(chat_module, "Engine", Spy)
     out = io.StringIO()
-    system = " ".join(WORDS * 4)  # a long system prompt: most of the first turn's prompt
+    system = " ".join(CHAT_WORDS * 4)  # a long system prompt: most of the first turn's prompt
     stdin = io.StringIO("tell me about the cat\nand why is the sky blue\n")
     chat_module.run_chat(str(ckpt), max_tokens=12, temperature=0, system=system, device="cpu", stdin=stdin,
                          stdout=out, **kw)
