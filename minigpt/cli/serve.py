@@ -114,8 +114,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     The conversation is rendered with the model's chat template, or a plain "User: ... / Assistant:" one. Type
     /reset to start over and /quit (or Ctrl-D) to leave; Ctrl-C stops the current answer. --compile decodes
     through the compiled step of `minigpt generate --compile` over the conversation's own KV cache instead of the
-    serving engine: the first answer at each cache length (256, 512, ... tokens) waits for its compilation, saved
-    for later runs.
+    serving engine: the first answer waits for its compilation (once per machine and model: it is saved, and
+    later runs load it).
     """
     import torch
 
@@ -186,8 +186,8 @@ def register(sub) -> None:
     p.add_argument("--no-prefix-cache", dest="no_prefix_cache", action="store_true",
                    help="recompute the whole conversation every turn instead of keeping its KV cache between turns")
     p.add_argument("--compile", action="store_true",
-                   help="decode through the compiled step (as generate --compile): compiled at the first answer of "
-                   "each cache length (256, 512, ... tokens) and saved, so later answers and runs start at once")
+                   help="decode through the compiled step (as generate --compile): compiled at the first answer and "
+                   "saved, so later runs start at once")
     p.add_argument("--stats", action="store_true",
                    help="after each answer print to stderr its time to first token, decode tokens/s and compile time")
     p.add_argument("--device", default="auto")

@@ -6,10 +6,11 @@ tokens after the longest common prefix are prefilled: the role the serving engin
 (:mod:`minigpt.infer.prefix_cache`) plays for `minigpt chat` without ``--compile``, reduced to the one sequence.
 
 The cache is a :class:`~minigpt.infer.fastpath.FastPath`'s own, so a compiled FastPath decodes through its compiled
-step. That step is one graph per cache length, and attends to every column of the cache under a mask (135M fp32,
-2 threads: 40 tokens/s with a 256-column cache, 28 with 2,048), so the cache grows with the conversation in
-powers of two from :data:`FIRST_LENGTH` columns rather than taking the whole context at once: a few lengths, each
-compiled (and saved) once, none much longer than the conversation.
+step. That step attends to every column of the cache under a mask (135M fp32, 2 threads: 40 tokens/s with a
+256-column cache, 28 with 2,048), so the cache grows with the conversation in powers of two from
+:data:`FIRST_LENGTH` columns rather than taking the whole context at once: never much longer than the
+conversation, and few lengths (a saved AOTInductor step serves any length; a step compiled in-process by
+``torch.compile`` may recompile for a new one).
 """
 from __future__ import annotations
 

@@ -72,8 +72,7 @@ def run_chat(source: str, max_tokens: int = 256, temperature: float = 0.8, top_k
     ``adapter``: a PEFT LoRA folder merged into the weights at load. ``prefix_cache``: False prefills every turn's
     whole conversation (the answers are the same). ``compile``: no engine; the fast path's compiled decode step
     over the conversation's own cache (:class:`~minigpt.infer.conversation.Conversation`), the step compiled at the
-    first answer of each cache length (256, 512, ... tokens) and saved for later runs as `minigpt generate
-    --compile` does (greedy answers are the same). ``stats``: after each answer, one line on stderr: prompt
+    first answer and saved for later runs as `minigpt generate --compile` does (greedy answers are the same). ``stats``: after each answer, one line on stderr: prompt
     tokens, time to first token (s), decode tokens/s after the first token, compilation (s, excluded from both).
     Raises :class:`~minigpt.errors.MiniGPTError`
     for an unreadable checkpoint, an adapter made for another base, or sampling settings out of range (before
