@@ -112,6 +112,9 @@ def run_chat(source: str, max_tokens: int = 256, temperature: float = 0.8, top_k
         stdin.reconfigure(errors="surrogateescape")
     out = stdout
     out.write(f"chatting with {ckpt} ({context}-token context). /reset clears the conversation, /quit leaves.\n")
+    if conversation is not None:  # a step not saved yet compiles silently inside the first answer (135M: ~100 s)
+        out.write("(--compile: unless this model's decode step was compiled and saved before, the first answer "
+                  "waits for it to compile, a minute or more)\n")
     turn = 0
     try:
         while True:

@@ -17,11 +17,15 @@ def ckpt(tmp_path_factory):
     return chat_model(tmp_path_factory.mktemp("chat"))
 
 
-def transcript(ckpt, monkeypatch=None, **kw) -> str:
+def transcript(ckpt, **kw) -> str:
+    """The chat's output; with ``compile=True`` without its one line about compiling (checked here)."""
     out = io.StringIO()
     chat_module.run_chat(str(ckpt), max_tokens=16, temperature=0, system="answer briefly", device="cpu",
                          stdin=io.StringIO(QUESTIONS), stdout=out, **kw)
-    return out.getvalue()
+    lines = out.getvalue().split("\n")
+    notes = [i for i, line in enumerate(lines) if line.startswith("(--compile: ")]
+    assert notes == ([1] if kw.get("compile") else [])
+    return "\n".join(line for i, line in enumerate(lines) if i not in notes)
 
 
 def uncompiled_conversations(monkeypatch) -> list:
