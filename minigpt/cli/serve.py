@@ -30,6 +30,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     --adapter DIR merges one PEFT LoRA adapter into the weights; --adapter NAME=DIR (repeatable) serves each adapter
     under its NAME next to the base model: a request picks one with "model": NAME, and requests for different
     adapters decode in the same batch.
+
+    --compile: a request running alone (one user) decodes through the compiled step of `minigpt generate
+    --compile` over its own copy of its KV cache; two or more decode together in the batched eager forward. The step
+    is compiled before the server listens, once per machine and model (a minute or more; then saved and loaded in
+    well under a second).
     """
     import torch
 
@@ -68,7 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  request_timeout=args.request_timeout or None, shutdown_timeout=args.shutdown_timeout,
                  device=args.device, dtype=args.dtype, log_level=args.log_level, context=args.context,
                  max_body_bytes=max_body_bytes, adapter=adapter, adapters=adapters,
-                 prefix_cache_bytes=prefix_cache_bytes)
+                 prefix_cache_bytes=prefix_cache_bytes, compile=args.compile)
 
 
 def _adapters(values: Optional[list[str]]) -> tuple[Optional[str], dict[str, str]]:
@@ -170,6 +175,9 @@ def register(sub) -> None:
                    help="memory for cached prompt prefixes' KV blocks, e.g. 512MiB (default: half the KV cache)")
     p.add_argument("--no-prefix-cache", dest="no_prefix_cache", action="store_true",
                    help="prefill every prompt whole (no prefix cache)")
+    p.add_argument("--compile", action="store_true",
+                   help="decode a request running alone through the compiled step (as generate --compile), compiled "
+                   "at start-up once per machine and model, then loaded from the compile cache")
 
     p = add_command(sub, "chat", cmd_chat)
     p.add_argument("ckpt", help="run dir, checkpoint dir, HF model dir, .gguf or llama2.c .bin")

@@ -25,6 +25,14 @@ from minigpt.infer.sampling import InvalidRequest, SamplingParams
 FIRST_LENGTH = 256  # the first cache length (columns); later ones double, up to the context
 
 
+def grown_length(need: int, cap: int) -> int:
+    """The cache length for ``need`` columns: :data:`FIRST_LENGTH` doubled until it holds them, at most ``cap``."""
+    length = FIRST_LENGTH
+    while length < need:
+        length *= 2
+    return min(length, cap)
+
+
 class Conversation:
     """Generation for one conversation whose turns share their prefix.
 
@@ -81,10 +89,7 @@ class Conversation:
         """A cache of at least ``need`` columns whose first ``keep`` columns are the current cache's."""
         if self.cache is not None and self.cache.max_seq_len >= need:
             return
-        length = FIRST_LENGTH
-        while length < need:
-            length *= 2
-        new = self.model.new_kv_cache(1, min(length, self.context))
+        new = self.model.new_kv_cache(1, grown_length(need, self.context))
         if self.cache is not None and keep:
             for old_k, old_v, k, v in zip(self.cache.k, self.cache.v, new.k, new.v):
                 k[:, :, :keep].copy_(old_k[:, :, :keep])

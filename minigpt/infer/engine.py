@@ -23,7 +23,9 @@ its batch-mates (and the same as ``generate_tokens`` with that seed). Detokeniza
 (:class:`~minigpt.infer.stops.StopChecker`) run per request in the worker, so a request stopped by a string frees its
 slot at that token. Requests, their events and errors are in :mod:`minigpt.infer.request`. Rows of one forward may
 be served by different LoRA adapters over the same base (:mod:`minigpt.infer.adapters`): before each forward the
-engine tells the adapted projections which adapter serves each row.
+engine tells the adapted projections which adapter serves each row. Given a compiled FastPath (`minigpt serve
+--compile`), a request running alone decodes through the compiled step over a mirror of its slot
+(:mod:`minigpt.infer.solo`).
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ from minigpt.infer.request import (
     plan_context,
 )
 from minigpt.infer.sampling import InvalidRequest, LogitsProcessor, SamplingParams, TokenLogprob, check_length
+from minigpt.infer.solo import SoloDecode
 from minigpt.infer.stops import default_stop_ids
 from minigpt.model.transformer import Transformer
 from minigpt.tokenizer.tokenizer import Tokenizer
@@ -70,7 +73,8 @@ class Engine(Prefill):
         model: the model, in eval mode; its device and dtype are used as they are. A :class:`Transformer` is
             wrapped in an (uncompiled) :class:`~minigpt.infer.fastpath.FastPath`, which fuses its projections in place;
             for the architectures the fast path covers, activations and the cache are float32 whatever the weight
-            dtype.
+            dtype. A FastPath built with ``compile=True`` (and no ``adapters``) decodes a request running alone
+            through its compiled step (:class:`~minigpt.infer.solo.SoloDecode`, which :meth:`warm_up` compiles).
         tokenizer: decodes text for streaming and stop strings (None: events carry token ids only, ``stop`` is
             ignored).
         max_batch_size: KV-cache slots, i.e. requests decoded together.
@@ -141,6 +145,8 @@ class Engine(Prefill):
                                   block_size) if prefix_cache_bytes else None
         self.adapter_names = list(adapters or {})  # request.adapter i > 0 is adapter_names[i - 1]
         self.adapters = attach_adapters(self.model, list(adapters.values()), self.device) if adapters else None
+        compiled = isinstance(self.model, FastPath) and self.model.compiled and not adapters
+        self.solo = SoloDecode(self.model, self.cache, self.max_seq_len) if compiled else None
         self._sources: dict[int, tuple[Request, int]] = {}  # a request admitted with its source (Prefill._admit)
         self._cond = threading.Condition()
         self._waiting: deque[Request] = deque()
@@ -243,6 +249,10 @@ class Engine(Prefill):
                 return
             req.cancel_requested = True
             self._cond.notify_all()
+
+    def warm_up(self) -> float:
+        """Compile (or load) the compiled decode steps now; returns the seconds spent (0.0: not compiled)."""
+        return self.solo.warm_up() if self.solo is not None else 0.0
 
     def start(self) -> "Engine":
         """Start the worker thread (idempotent)."""
@@ -358,6 +368,13 @@ class Engine(Prefill):
     def _decode(self) -> None:
         reqs = list(self._running)
         self.metrics.batch_size.observe(len(reqs))
+        if self.solo is not None and len(reqs) == 1:  # alone: through the compiled step
+            try:
+                picks = self.solo.decode(reqs[0])
+            except Exception as e:
+                return self._fail(reqs[0], e)
+            return self._accept_picks(reqs, picks)
+        self._sync_solo()
         try:
             logits = self._decode_forward(0, reqs)
         except Exception as e:
@@ -368,6 +385,11 @@ class Engine(Prefill):
             if not reqs:
                 return
         self._sample_and_accept(reqs, logits)
+
+    def _sync_solo(self) -> None:
+        """Before anything else reads or moves slots: the lone request's compiled columns back into its slot."""
+        if self.solo is not None:
+            self.solo.sync()
 
     def _decode_forward(self, offset: int, reqs: list[Request]) -> torch.Tensor:
         """Logits ``[len(reqs), vocab]`` of one step for the requests in slots ``offset ..``."""
@@ -392,8 +414,11 @@ class Engine(Prefill):
             self.adapters.set_rows([r.adapter for r in reqs])
 
     def _sample_and_accept(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        self._accept_picks(reqs, choose_tokens(reqs, logits))
+
+    def _accept_picks(self, reqs: list[Request], picks: list) -> None:
         done: list[Request] = []
-        for req, pick in zip(reqs, choose_tokens(reqs, logits)):
+        for req, pick in zip(reqs, picks):
             try:
                 if isinstance(pick, Exception):
                     raise pick
@@ -458,6 +483,7 @@ class Engine(Prefill):
 
     def _free(self, req: Request) -> None:
         """Give the slot back; the last running request moves into the hole so slots stay ``0 .. n - 1``."""
+        self._sync_solo()
         self._remember(req)
         slot = req.slot
         if slot is None:

@@ -49,7 +49,7 @@ from minigpt.infer.metrics import CONTENT_TYPE
 from minigpt.infer.request import EngineClosed, Event, QueueFull
 from minigpt.infer.sampling import InvalidRequest, SamplingParams
 from minigpt.serve.chat import encode_prompt, prompt_bos
-from minigpt.serve.models import load_engine, model_list, resolve_model
+from minigpt.serve.models import describe_engine, load_engine, model_list, resolve_model
 from minigpt.serve.openapi import openapi_document
 from minigpt.serve.responses import Choice, Shaper, TokenText, combined_usage, error_for
 from minigpt.serve.schemas import (
@@ -437,10 +437,11 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optio
           shutdown_timeout: float = 30.0, device: str = "auto", dtype: str = "float32",
           log_level: str = "info", context: Optional[int] = None, max_body_bytes: int = MAX_BODY_BYTES,
           adapter: Optional[str] = None, adapters: Optional[dict[str, str]] = None,
-          prefix_cache_bytes: Optional[int] = None) -> int:
+          prefix_cache_bytes: Optional[int] = None, compile: bool = False) -> int:
     """Load a model (with the PEFT LoRA folder ``adapter`` merged in, or the folders ``adapters`` served by name:
     :mod:`minigpt.serve.models`) and serve it until SIGTERM/SIGINT; returns the exit status (0 after a clean
-    shutdown). ``prefix_cache_bytes``: the prefix cache's budget (0: off; None: the engine's default).
+    shutdown). ``prefix_cache_bytes``: the prefix cache's budget (0: off; None: the engine's default). ``compile``: a
+    request running alone decodes through the compiled step (:func:`~minigpt.serve.models.load_engine`).
 
     ``context``: tokens per KV-cache slot (default: the model's context, capped to half the free memory; see
     :class:`Engine`). On SIGTERM the listening socket closes, running and queued requests get
@@ -454,7 +455,8 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optio
     name = model_name or (ckpt.stem if ckpt.is_file() else ckpt.name)
     engine = load_engine(ckpt, tokenizer, adapter, adapters, device, dtype, name, max_batch_size=max_batch_size,
                          max_batch_tokens=max_batch_tokens, max_queue=max_queue,
-                         max_prefill_tokens=max_prefill_tokens, context=context, prefix_cache_bytes=prefix_cache_bytes)
+                         max_prefill_tokens=max_prefill_tokens, context=context, prefix_cache_bytes=prefix_cache_bytes,
+                         compile=compile)
     state = ServerState(engine, tokenizer, name, api_key, load_chat_template(ckpt), request_timeout,
                         add_bos=prompt_bos(ckpt, tokenizer), max_body_bytes=max_body_bytes)
     app = create_app(state)
@@ -486,12 +488,7 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optio
         signal.signal(sig, lambda *_: None)
     print(f"serving {ckpt} as '{name}' on http://{host}:{sock.getsockname()[1]} (max batch {max_batch_size}, "
           f"{torch.get_num_threads()} threads)", flush=True)
-    capped = "" if engine.max_seq_len == engine.model_context or context else (
-        f"; the model's {engine.model_context:,} tokens do not fit half the free memory: --context sets it")
-    print(f"KV cache: {max_batch_size} slots x {engine.max_seq_len:,} tokens = {engine.kv_cache_bytes / 2**20:,.1f} "
-          f"MiB (context {engine.max_seq_len:,}{capped}); prefix cache: "
-          f"{f'{engine.prefix.budget_bytes / 2**20:,.1f} MiB' if engine.prefix else 'off'}"
-          f"{'; adapters: ' + ', '.join(engine.adapter_names) if engine.adapter_names else ''}", flush=True)
+    print(describe_engine(engine, context_given=context is not None), flush=True)
     try:
         server.run(sockets=[sock])
     finally:

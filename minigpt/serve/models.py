@@ -10,6 +10,7 @@ from typing import Any, Optional
 from minigpt.checkpoint.adapter import load_merged, read_adapter
 from minigpt.errors import MiniGPTError
 from minigpt.infer.engine import Engine
+from minigpt.infer.fastpath import FastPath
 from minigpt.runtime import DTYPES, pick_device, run_in_thread
 from minigpt.serve.schemas import bad_request
 from minigpt.tokenizer.tokenizer import Tokenizer
@@ -17,20 +18,23 @@ from minigpt.tokenizer.tokenizer import Tokenizer
 
 def load_engine(ckpt: Path, tokenizer: Tokenizer, adapter: Optional[str] = None,
                 adapters: Optional[dict[str, str]] = None, device: str = "auto", dtype: str = "float32",
-                base_name: Optional[str] = None, **engine_kw: Any) -> Engine:
+                base_name: Optional[str] = None, compile: bool = False, **engine_kw: Any) -> Engine:
     """The engine serving the model at ``ckpt``: with the PEFT folder ``adapter`` merged in, or with the PEFT
     folders ``adapters`` (name -> folder) served per request over the unmerged base (``base_name``: the base's
-    model name, which no adapter may take). ``engine_kw`` go to
-    :class:`Engine`. Raises :class:`MiniGPTError` for an unreadable model or adapter, an adapter made for another
+    model name, which no adapter may take). ``compile``: a request running alone decodes through the compiled
+    step of `minigpt generate --compile` (saved per machine as an AOTInductor package on a CPU), compiled or loaded
+    here (:meth:`Engine.warm_up`; ignored with ``adapters``, which the compiled step does not apply). ``engine_kw``
+    go to :class:`Engine`. Raises :class:`MiniGPTError` for an unreadable model or adapter, an adapter made for another
     base, or a tokenizer larger than the model's vocabulary.
 
     Built in a thread that ends (:func:`~minigpt.runtime.run_in_thread`), so that the engine's worker is the
     process's one OpenMP team."""
-    return run_in_thread(_build_engine, ckpt, tokenizer, adapter, adapters, device, dtype, base_name, **engine_kw)
+    return run_in_thread(_build_engine, ckpt, tokenizer, adapter, adapters, device, dtype, base_name, compile,
+                         **engine_kw)
 
 
 def _build_engine(ckpt: Path, tokenizer: Tokenizer, adapter: Optional[str], adapters: Optional[dict[str, str]],
-                  device: str, dtype: str, base_name: Optional[str], **engine_kw: Any) -> Engine:
+                  device: str, dtype: str, base_name: Optional[str], compile: bool, **engine_kw: Any) -> Engine:
     if adapter is not None and adapters:
         raise MiniGPTError("--adapter DIR (merged) and --adapter NAME=DIR (served by name) do not mix; name them all")
     if base_name in (adapters or {}):
@@ -40,7 +44,27 @@ def _build_engine(ckpt: Path, tokenizer: Tokenizer, adapter: Optional[str], adap
         raise MiniGPTError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                            f"{model.config.vocab_size} embeddings")
     weights = {name: read_adapter(model, folder) for name, folder in (adapters or {}).items()}
-    return Engine(model, tokenizer, adapters=weights or None, **engine_kw)
+    if compile and not weights:
+        model = FastPath(model, compile=True, aoti=True)  # AOTInductor packages on a CPU, torch.compile elsewhere
+    engine = Engine(model, tokenizer, adapters=weights or None, **engine_kw)
+    engine.warm_up()
+    return engine
+
+
+def describe_engine(engine: Engine, context_given: bool) -> str:
+    """The start-up line of ``minigpt serve`` on the engine's memory: slots, context, prefix cache, adapters, and
+    the compiled step's compile (or load) time."""
+    capped = "" if engine.max_seq_len == engine.model_context or context_given else (
+        f"; the model's {engine.model_context:,} tokens do not fit half the free memory: --context sets it")
+    prefix = f"{engine.prefix.budget_bytes / 2**20:,.1f} MiB" if engine.prefix else "off"
+    line = (f"KV cache: {engine.max_batch_size} slots x {engine.max_seq_len:,} tokens = "
+            f"{engine.kv_cache_bytes / 2**20:,.1f} MiB (context {engine.max_seq_len:,}{capped}); prefix cache: {prefix}")
+    if engine.adapter_names:
+        line += "; adapters: " + ", ".join(engine.adapter_names)
+    if engine.solo is not None:
+        line += f"; a lone request decodes through the compiled step (compiled or loaded in " \
+                f"{engine.model.compile_seconds:.1f} s)"
+    return line
 
 
 def resolve_model(model: Any, base_name: str, adapter_names: list[str]) -> Optional[str]:

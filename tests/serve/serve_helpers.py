@@ -70,7 +70,7 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m minigpt serve CKPT` on a free loopback port, one torch thread; stopped with SIGTERM."""
 
-    def __init__(self, ckpt: Path, *args: str, log: Optional[Path] = None) -> None:
+    def __init__(self, ckpt: Path, *args: str, log: Optional[Path] = None, timeout: float = 120.0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -79,7 +79,7 @@ class ServerProcess:
             [sys.executable, "-m", "minigpt", "serve", str(ckpt), "--port", str(self.port), "--threads", "1",
              "--log-level", "warning", *args],
             env=ENV, stdout=out, stderr=subprocess.STDOUT)
-        self.wait_healthy()
+        self.wait_healthy(timeout)
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
