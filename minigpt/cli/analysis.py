@@ -85,7 +85,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     levels = bench_serve(args.ckpt, preset=args.preset, url=args.url, clients=clients, rounds=args.rounds,
                          max_tokens=args.max_tokens, prompt_words=args.prompt_words, api_key=args.api_key,
                          threads=args.threads, max_batch_size=args.max_batch_size, repeats=args.repeats,
-                         compile=args.compile)
+                         compile=args.compile_batch or int(args.compile))
     if args.json:
         print(json.dumps([dataclasses.asdict(level) for level in levels], indent=2))
     return 0
@@ -144,4 +144,6 @@ def register(sub) -> None:
                    help="server slots (default: the largest --clients)")
     p.add_argument("--threads", type=int, help="torch threads of the server it starts")
     p.add_argument("--compile", action="store_true", help="start the server with --compile")
+    p.add_argument("--compile-batch", dest="compile_batch", type=int, default=None, metavar="N",
+                   help="start the server with --compile-batch N")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")

@@ -32,9 +32,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     adapters decode in the same batch.
 
     --compile: a request running alone (one user) decodes through the compiled step of `minigpt generate
-    --compile` over its own copy of its KV cache; two or more decode together in the batched eager forward. The step
-    is compiled before the server listens, once per machine and model (a minute or more; then saved and loaded in
-    well under a second).
+    --compile` over its own copy of its KV cache; two or more decode together in the batched eager forward.
+    --compile-batch N (implies --compile): up to N running requests decode together through compiled steps of batch
+    1, 2, 4, ... N (a request joining or leaving costs one copy of their caches); more in the eager batch. The steps
+    are compiled before the server listens, once per machine, model and batch size (a minute or more each; then
+    saved and loaded in well under a second).
     """
     import torch
 
@@ -54,6 +56,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for name in ("max_batch_size", "max_queue"):
         if getattr(args, name) < (1 if name == "max_batch_size" else 0):
             raise MiniGPTError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.compile_batch is not None and not 1 <= args.compile_batch <= args.max_batch_size:
+        raise MiniGPTError(f"--compile-batch must be between 1 and --max-batch-size ({args.max_batch_size}), "
+                           f"got {args.compile_batch}")
     _check_context(args.context)
     if not 0 <= args.port <= 65535:
         raise MiniGPTError(f"--port must be between 0 and 65535 (0: any free port), got {args.port}")
@@ -73,7 +78,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  request_timeout=args.request_timeout or None, shutdown_timeout=args.shutdown_timeout,
                  device=args.device, dtype=args.dtype, log_level=args.log_level, context=args.context,
                  max_body_bytes=max_body_bytes, adapter=adapter, adapters=adapters,
-                 prefix_cache_bytes=prefix_cache_bytes, compile=args.compile)
+                 prefix_cache_bytes=prefix_cache_bytes, compile=args.compile_batch or int(args.compile))
 
 
 def _adapters(values: Optional[list[str]]) -> tuple[Optional[str], dict[str, str]]:
@@ -178,6 +183,9 @@ def register(sub) -> None:
     p.add_argument("--compile", action="store_true",
                    help="decode a request running alone through the compiled step (as generate --compile), compiled "
                    "at start-up once per machine and model, then loaded from the compile cache")
+    p.add_argument("--compile-batch", dest="compile_batch", type=int, default=None, metavar="N",
+                   help="with --compile (implied): decode up to N running requests together through compiled steps "
+                   "(batch sizes 1, 2, 4, ... N, each compiled at start-up)")
 
     p = add_command(sub, "chat", cmd_chat)
     p.add_argument("ckpt", help="run dir, checkpoint dir, HF model dir, .gguf or llama2.c .bin")

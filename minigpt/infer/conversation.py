@@ -33,6 +33,19 @@ def grown_length(need: int, cap: int) -> int:
     return min(length, cap)
 
 
+@torch.inference_mode()
+def grown_cache(model, old, need: int, cap: int, keep: int, batch: int = 1):
+    """A new cache of ``model`` (``new_kv_cache``) of ``batch`` rows and :func:`grown_length` ``(need, cap)``
+    columns, whose first ``keep`` columns of every row are copied from the cache ``old`` of as many rows (None or
+    ``keep`` 0: nothing carried over)."""
+    new = model.new_kv_cache(batch, grown_length(need, cap))
+    if old is not None and keep:
+        for old_k, old_v, k, v in zip(old.k, old.v, new.k, new.v):
+            k[:, :, :keep].copy_(old_k[:, :, :keep])
+            v[:, :, :keep].copy_(old_v[:, :, :keep])
+    return new
+
+
 class Conversation:
     """Generation for one conversation whose turns share their prefix.
 
@@ -84,14 +97,7 @@ class Conversation:
             # prefill may not have finished (Ctrl-C).
             self.cached = prompt + answer[:-1] if answer else prompt[:reuse]
 
-    @torch.inference_mode()
     def _make_room(self, need: int, keep: int) -> None:
         """A cache of at least ``need`` columns whose first ``keep`` columns are the current cache's."""
-        if self.cache is not None and self.cache.max_seq_len >= need:
-            return
-        new = self.model.new_kv_cache(1, grown_length(need, self.context))
-        if self.cache is not None and keep:
-            for old_k, old_v, k, v in zip(self.cache.k, self.cache.v, new.k, new.v):
-                k[:, :, :keep].copy_(old_k[:, :, :keep])
-                v[:, :, :keep].copy_(old_v[:, :, :keep])
-        self.cache = new
+        if self.cache is None or self.cache.max_seq_len < need:
+            self.cache = grown_cache(self.model, self.cache, need, self.context, keep)

@@ -24,8 +24,8 @@ its batch-mates (and the same as ``generate_tokens`` with that seed). Detokeniza
 slot at that token. Requests, their events and errors are in :mod:`minigpt.infer.request`. Rows of one forward may
 be served by different LoRA adapters over the same base (:mod:`minigpt.infer.adapters`): before each forward the
 engine tells the adapted projections which adapter serves each row. Given a compiled FastPath (`minigpt serve
---compile`), a request running alone decodes through the compiled step over a mirror of its slot
-(:mod:`minigpt.infer.solo`).
+--compile`), up to ``mirror_rows`` running requests decode through the compiled step over a mirror of their slots
+(:mod:`minigpt.infer.mirror`).
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ from minigpt.infer.fastpath import FastPath
 from minigpt.infer.generate import model_device
 from minigpt.infer.kv_cache import SlotKVCache
 from minigpt.infer.metrics import ServingMetrics
+from minigpt.infer.mirror import MirrorDecode
 from minigpt.infer.prefill import Prefill
 from minigpt.infer.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache
 from minigpt.infer.request import (
@@ -58,7 +59,6 @@ from minigpt.infer.request import (
     plan_context,
 )
 from minigpt.infer.sampling import InvalidRequest, LogitsProcessor, SamplingParams, TokenLogprob, check_length
-from minigpt.infer.solo import SoloDecode
 from minigpt.infer.stops import default_stop_ids
 from minigpt.model.transformer import Transformer
 from minigpt.tokenizer.tokenizer import Tokenizer
@@ -73,8 +73,9 @@ class Engine(Prefill):
         model: the model, in eval mode; its device and dtype are used as they are. A :class:`Transformer` is
             wrapped in an (uncompiled) :class:`~minigpt.infer.fastpath.FastPath`, which fuses its projections in place;
             for the architectures the fast path covers, activations and the cache are float32 whatever the weight
-            dtype. A FastPath built with ``compile=True`` (and no ``adapters``) decodes a request running alone
-            through its compiled step (:class:`~minigpt.infer.solo.SoloDecode`, which :meth:`warm_up` compiles).
+            dtype. A FastPath built with ``compile=True`` (and no ``adapters``) decodes up to ``mirror_rows`` (default 1)
+            running requests through its compiled step (:class:`~minigpt.infer.mirror.MirrorDecode`, which
+            :meth:`warm_up` compiles for each batch size); more decode in the eager batch.
         tokenizer: decodes text for streaming and stop strings (None: events carry token ids only, ``stop`` is
             ignored).
         max_batch_size: KV-cache slots, i.e. requests decoded together.
@@ -106,7 +107,8 @@ class Engine(Prefill):
                  max_batch_tokens: Optional[int] = None, max_queue: int = 256,
                  max_prefill_tokens: Optional[int] = None, stop_ids: Optional[Sequence[int]] = None,
                  metrics: Optional[ServingMetrics] = None, prefix_cache_bytes: Optional[int] = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE, adapters: Optional[dict[str, AdapterWeights]] = None) -> None:
+                 block_size: int = DEFAULT_BLOCK_SIZE, adapters: Optional[dict[str, AdapterWeights]] = None,
+                 mirror_rows: int = 1) -> None:
         if max_batch_size < 1:
             raise MiniGPTError(f"max_batch_size must be at least 1, got {max_batch_size}")
         if max_queue < 0:
@@ -146,7 +148,7 @@ class Engine(Prefill):
         self.adapter_names = list(adapters or {})  # request.adapter i > 0 is adapter_names[i - 1]
         self.adapters = attach_adapters(self.model, list(adapters.values()), self.device) if adapters else None
         compiled = isinstance(self.model, FastPath) and self.model.compiled and not adapters
-        self.solo = SoloDecode(self.model, self.cache, self.max_seq_len) if compiled else None
+        self.mirror = MirrorDecode(self.model, self.cache, self.max_seq_len, mirror_rows) if compiled else None
         self._sources: dict[int, tuple[Request, int]] = {}  # a request admitted with its source (Prefill._admit)
         self._cond = threading.Condition()
         self._waiting: deque[Request] = deque()
@@ -252,7 +254,7 @@ class Engine(Prefill):
 
     def warm_up(self) -> float:
         """Compile (or load) the compiled decode steps now; returns the seconds spent (0.0: not compiled)."""
-        return self.solo.warm_up() if self.solo is not None else 0.0
+        return self.mirror.warm_up() if self.mirror is not None else 0.0
 
     def start(self) -> "Engine":
         """Start the worker thread (idempotent)."""
@@ -368,13 +370,15 @@ class Engine(Prefill):
     def _decode(self) -> None:
         reqs = list(self._running)
         self.metrics.batch_size.observe(len(reqs))
-        if self.solo is not None and len(reqs) == 1:  # alone: through the compiled step
+        if self.mirror is not None and self.mirror.fits(reqs):  # few enough: through the compiled step
             try:
-                picks = self.solo.decode(reqs[0])
-            except Exception as e:
-                return self._fail(reqs[0], e)
-            return self._accept_picks(reqs, picks)
-        self._sync_solo()
+                picks = self.mirror.decode(reqs)
+            except Exception as e:  # nothing advanced: the eager batch tries again (and fails what fails there)
+                log.warning("the compiled step failed for %d rows, decoding them eagerly: %s", len(reqs), e)
+            else:
+                return self._accept_picks(reqs, picks)
+        if self.mirror is not None:  # the eager batch reads the slots
+            self.mirror.sync()
         try:
             logits = self._decode_forward(0, reqs)
         except Exception as e:
@@ -385,11 +389,6 @@ class Engine(Prefill):
             if not reqs:
                 return
         self._sample_and_accept(reqs, logits)
-
-    def _sync_solo(self) -> None:
-        """Before anything else reads or moves slots: the lone request's compiled columns back into its slot."""
-        if self.solo is not None:
-            self.solo.sync()
 
     def _decode_forward(self, offset: int, reqs: list[Request]) -> torch.Tensor:
         """Logits ``[len(reqs), vocab]`` of one step for the requests in slots ``offset ..``."""
@@ -483,7 +482,8 @@ class Engine(Prefill):
 
     def _free(self, req: Request) -> None:
         """Give the slot back; the last running request moves into the hole so slots stay ``0 .. n - 1``."""
-        self._sync_solo()
+        if self.mirror is not None:  # before the prefix cache reads the slot or another moves into it
+            self.mirror.sync()
         self._remember(req)
         slot = req.slot
         if slot is None:

@@ -437,11 +437,11 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optio
           shutdown_timeout: float = 30.0, device: str = "auto", dtype: str = "float32",
           log_level: str = "info", context: Optional[int] = None, max_body_bytes: int = MAX_BODY_BYTES,
           adapter: Optional[str] = None, adapters: Optional[dict[str, str]] = None,
-          prefix_cache_bytes: Optional[int] = None, compile: bool = False) -> int:
+          prefix_cache_bytes: Optional[int] = None, compile: int = 0) -> int:
     """Load a model (with the PEFT LoRA folder ``adapter`` merged in, or the folders ``adapters`` served by name:
     :mod:`minigpt.serve.models`) and serve it until SIGTERM/SIGINT; returns the exit status (0 after a clean
-    shutdown). ``prefix_cache_bytes``: the prefix cache's budget (0: off; None: the engine's default). ``compile``: a
-    request running alone decodes through the compiled step (:func:`~minigpt.serve.models.load_engine`).
+    shutdown). ``prefix_cache_bytes``: the prefix cache's budget (0: off; None: the engine's default). ``compile``: up
+    to that many running requests decode through the compiled step (0: none; :func:`~minigpt.serve.models.load_engine`).
 
     ``context``: tokens per KV-cache slot (default: the model's context, capped to half the free memory; see
     :class:`Engine`). On SIGTERM the listening socket closes, running and queued requests get

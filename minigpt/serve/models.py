@@ -18,12 +18,13 @@ from minigpt.tokenizer.tokenizer import Tokenizer
 
 def load_engine(ckpt: Path, tokenizer: Tokenizer, adapter: Optional[str] = None,
                 adapters: Optional[dict[str, str]] = None, device: str = "auto", dtype: str = "float32",
-                base_name: Optional[str] = None, compile: bool = False, **engine_kw: Any) -> Engine:
+                base_name: Optional[str] = None, compile: int = 0, **engine_kw: Any) -> Engine:
     """The engine serving the model at ``ckpt``: with the PEFT folder ``adapter`` merged in, or with the PEFT
     folders ``adapters`` (name -> folder) served per request over the unmerged base (``base_name``: the base's
-    model name, which no adapter may take). ``compile``: a request running alone decodes through the compiled
-    step of `minigpt generate --compile` (saved per machine as an AOTInductor package on a CPU), compiled or loaded
-    here (:meth:`Engine.warm_up`; ignored with ``adapters``, which the compiled step does not apply). ``engine_kw``
+    model name, which no adapter may take). ``compile``: up to that many running requests (0: none; ``True``: one)
+    decode through the compiled step of `minigpt generate --compile` (saved per machine and batch size as an
+    AOTInductor package on a CPU), compiled or loaded here for batch sizes 1, 2, 4, ... up to it
+    (:meth:`Engine.warm_up`; ignored with ``adapters``, which the compiled step does not apply). ``engine_kw``
     go to :class:`Engine`. Raises :class:`MiniGPTError` for an unreadable model or adapter, an adapter made for another
     base, or a tokenizer larger than the model's vocabulary.
 
@@ -34,7 +35,7 @@ def load_engine(ckpt: Path, tokenizer: Tokenizer, adapter: Optional[str] = None,
 
 
 def _build_engine(ckpt: Path, tokenizer: Tokenizer, adapter: Optional[str], adapters: Optional[dict[str, str]],
-                  device: str, dtype: str, base_name: Optional[str], compile: bool, **engine_kw: Any) -> Engine:
+                  device: str, dtype: str, base_name: Optional[str], compile: int, **engine_kw: Any) -> Engine:
     if adapter is not None and adapters:
         raise MiniGPTError("--adapter DIR (merged) and --adapter NAME=DIR (served by name) do not mix; name them all")
     if base_name in (adapters or {}):
@@ -46,7 +47,7 @@ def _build_engine(ckpt: Path, tokenizer: Tokenizer, adapter: Optional[str], adap
     weights = {name: read_adapter(model, folder) for name, folder in (adapters or {}).items()}
     if compile and not weights:
         model = FastPath(model, compile=True, aoti=True)  # AOTInductor packages on a CPU, torch.compile elsewhere
-    engine = Engine(model, tokenizer, adapters=weights or None, **engine_kw)
+    engine = Engine(model, tokenizer, adapters=weights or None, mirror_rows=max(int(compile), 1), **engine_kw)
     engine.warm_up()
     return engine
 
@@ -61,9 +62,12 @@ def describe_engine(engine: Engine, context_given: bool) -> str:
             f"{engine.kv_cache_bytes / 2**20:,.1f} MiB (context {engine.max_seq_len:,}{capped}); prefix cache: {prefix}")
     if engine.adapter_names:
         line += "; adapters: " + ", ".join(engine.adapter_names)
-    if engine.solo is not None:
-        line += f"; a lone request decodes through the compiled step (compiled or loaded in " \
-                f"{engine.model.compile_seconds:.1f} s)"
+    mirror = engine.mirror
+    if mirror is not None:
+        rows = "a lone request decodes" if mirror.max_rows == 1 else f"up to {mirror.max_rows} running requests decode"
+        line += f"; {rows} through the compiled step (batch sizes {', '.join(map(str, mirror.sizes))}, compiled " \
+                f"or loaded in {engine.model.compile_seconds:.1f} s; its mirror takes up to " \
+                f"{mirror.max_bytes() / 2**20:,.1f} MiB)"
     return line
 
 

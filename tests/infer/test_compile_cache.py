@@ -81,6 +81,7 @@ def test_a_corrupt_or_untrusted_file_is_compiled_again(tmp_path, damage):
     assert path.stat().st_mode & 0o022 == 0  # replaced by a private file
 
 
+@pytest.mark.slow  # a whole in-process compile (~20-30 s on 2 cores); CI's slow stage runs it
 def test_cache_off_compiles_in_process(tmp_path, monkeypatch):
     monkeypatch.setenv(aot.ENV, "off")
     assert aot.cache_dir() is None

@@ -104,6 +104,7 @@ with torch.inference_mode():
 """
 
 
+@pytest.mark.slow  # ~20-25 s in its child process on 2 cores; CI's slow stage runs it
 def test_decode_steps_take_it_and_prefill_stays_float():
     """On an AVX2 CPU without VNNI every int8 projection of a decode step goes through the kernel (none under
     ``woq_kernel="words"``); rows are quantized one by one, so a row's logits are the same alone and in a batch;

@@ -187,13 +187,13 @@ def make_prompts(text: str, n: int, words: int = 24) -> list[str]:
 def bench_serve(source: Optional[str] = None, preset: str = "small", url: Optional[str] = None,
                 clients: tuple[int, ...] = (1, 4, 16, 32), rounds: int = 2, max_tokens: int = 64,
                 prompt_words: int = 24, api_key: Optional[str] = None, threads: Optional[int] = None,
-                max_batch_size: Optional[int] = None, repeats: int = 1, compile: bool = False,
+                max_batch_size: Optional[int] = None, repeats: int = 1, compile: int = 0,
                 out=sys.stdout) -> list[Level]:
     """Run the benchmark (see the module docstring) and print a markdown table; returns the rows.
 
     With ``repeats`` > 1 each level is measured that many times (sequential and concurrent alternating) and the
-    table shows medians of tokens/s and of the TTFT percentiles. ``compile``: start the server with ``--compile``
-    (its start-up waits for the compiled step).
+    table shows medians of tokens/s and of the TTFT percentiles. ``compile``: start the server with ``--compile``,
+    more than 1 with ``--compile-batch`` that many (its start-up waits for the compiled steps).
     """
 
     corpus = BUNDLED["shakespeare"].path.read_text(encoding="utf-8")
@@ -218,7 +218,7 @@ def bench_serve(source: Optional[str] = None, preset: str = "small", url: Option
             if threads:
                 cmd += ["--threads", str(threads)]
             if compile:
-                cmd.append("--compile")
+                cmd += ["--compile"] + (["--compile-batch", str(int(compile))] if compile > 1 else [])
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
             _wait_healthy(url, proc, timeout=1800.0 if compile else 300.0)
         else:
