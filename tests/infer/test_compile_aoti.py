@@ -11,6 +11,7 @@ from functools import partial
 import pytest
 import torch
 from conftest import random_model
+from torch._dynamo.utils import counters
 
 from minigpt.infer.fastpath import FastPath, aot, aoti, prepare
 from minigpt.infer.fastpath.library import w8a8_available
@@ -53,6 +54,29 @@ def test_the_step_module_reads_the_fastpaths_own_tensors_and_computes_its_step(q
     torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
     for a, b in zip(got[1] + got[2], want[1] + want[2]):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+# The greedy step's head screen builds its C++ kernel first (~20 s on a fresh machine): that case runs in the slow stage.
+@pytest.mark.parametrize("greedy", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_the_export_calls_the_layers_inline_and_computes_the_step(greedy):
+    """export traces a nested compile region by running Dynamo over it at every call (a 30-layer step: 30 times,
+    about a fifth of a package's compile); the package's export calls the layers inline, and the exported program
+    is still the step, for every cache length."""
+    # The greedy step's head screen needs more rows than it keeps (SCREEN_K).
+    fp = prepare(random_model({**SHAPE, "vocab_size": 512}, noise=0.05) if greedy else make(), compile=True)
+    assert not greedy or fp.head_screen() is not None
+    graphs = counters["stats"]["unique_graphs"]
+    exported = aoti.export_step(fp, _step_args(fp), greedy=greedy)
+    assert counters["stats"]["unique_graphs"] == graphs  # Dynamo traced nothing (through regions: once a layer)
+    step = exported.module()
+    for length in (64, 40):
+        args = _step_args(fp, length)
+        with torch.inference_mode():
+            want = (aoti.static_greedy_step if greedy else static_step)(fp, *args)
+            got = step(*args)
+        torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
+        for a, b in zip(got[1] + got[2], want[1] + want[2]):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
 def test_a_killed_compiles_leftover_is_removed_once_stale_and_a_fresh_one_kept(tmp_path):

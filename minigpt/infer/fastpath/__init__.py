@@ -42,7 +42,9 @@ kernels per token:
     every layer, and the per-layer caches are separate graph inputs, so compile time does not grow with depth
     (`small`: ~10 s cold, against ~85 s for the unrolled graph). The graph only reads the cache: it returns each
     layer's new key and value and :meth:`FastPath.decode_step` writes them (an in-graph write next to these
-    regions corrupted the cache of multi-layer models under torch 2.13).
+    regions corrupted the cache of multi-layer models under torch 2.13). The AOTInductor package's export calls
+    the layers inline instead (:func:`~minigpt.infer.fastpath.step.decode_layer`): export would run Dynamo over
+    each region call, and the package's code comes out the same.
   - per-call overhead trimmed: Dynamo's guards on the weights are dropped (:mod:`~minigpt.infer.fastpath.step`: a
     FastPath never rebinds them, and checking ~100 tensors per call cost ~0.3 ms), and so are Inductor's
     per-tensor size asserts; one region per layer rather than two halves the wrapper's Python work. Each FastPath

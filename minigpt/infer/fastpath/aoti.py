@@ -101,8 +101,8 @@ class StepModule(nn.Module):
         if self.greedy:
             view.screen = types.SimpleNamespace(proj=self._proj("screen"), bound=self.screen_bound,
                                                 native=fp.screen.native)
-            return static_greedy_step(view, token, input_pos, pad, k_cache, v_cache)
-        return static_step(view, token, input_pos, pad, k_cache, v_cache)
+            return static_greedy_step(view, token, input_pos, pad, k_cache, v_cache, regions=False)
+        return static_step(view, token, input_pos, pad, k_cache, v_cache, regions=False)
 
 
 # A compile killed midway (Ctrl-C in a first `generate --compile`) leaves its temporary file behind; one still
@@ -139,12 +139,22 @@ def _any_cache_length(example_args: tuple) -> dict:
             "v_cache": [{2: length}] * len(v_cache)}
 
 
+def export_step(fp, example_args: tuple, greedy: bool = False) -> torch.export.ExportedProgram:
+    """``torch.export`` of :class:`StepModule` (``greedy``: the screened greedy step) of FastPath ``fp`` for the
+    shapes of ``example_args`` (``token``, ``input_pos``, ``pad``, ``k_cache``, ``v_cache``), the cache length left
+    dynamic (:func:`_any_cache_length`): what :func:`export_package` compiles. Raises whatever export raises."""
+    # torch 2.13's own pytree code warns that `isinstance(treespec, LeafSpec)` is deprecated, many times over,
+    # while exporting and packaging: nothing a user of the package can act on.
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
+        return torch.export.export(StepModule(fp, greedy), example_args,
+                                   dynamic_shapes=_any_cache_length(example_args), strict=False)
+
+
 def export_package(fp, example_args: tuple, path: Path, greedy: bool = False) -> None:
-    """Export the step (``greedy``: the screened greedy step) of FastPath ``fp`` for the shapes of
-    ``example_args`` (``token``, ``input_pos``, ``pad``, ``k_cache``, ``v_cache``), the cache length left dynamic
-    (:func:`_any_cache_length`), and compile it into an AOTInductor package at ``path``, written to a temporary
-    file and renamed (readable by this user only); stale temporary files of killed compiles are removed first
-    (:func:`remove_stale_partials`). Raises whatever export or Inductor raise."""
+    """Export the step (:func:`export_step`) and compile it into an AOTInductor package at ``path``, written to a
+    temporary file and renamed (readable by this user only); stale temporary files of killed compiles are removed
+    first (:func:`remove_stale_partials`). Raises whatever export or Inductor raise."""
     # torch._inductor is one of torch's lazily imported modules: the heavy import happens here, when compiling.
     configs = {"aot_inductor.package_constants_in_so": False, "size_asserts": False, **simd_options()}
     if fp.compile_mode is not None:
@@ -153,12 +163,9 @@ def export_package(fp, example_args: tuple, path: Path, greedy: bool = False) ->
     fd, tmp = tempfile.mkstemp(prefix=".partial-", suffix=SUFFIX, dir=path.parent)
     os.close(fd)
     try:
-        # torch 2.13's own pytree code warns that `isinstance(treespec, LeafSpec)` is deprecated, many times over,
-        # while exporting and packaging: nothing a user of the package can act on.
+        exported = export_step(fp, example_args, greedy)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
-            exported = torch.export.export(StepModule(fp, greedy), example_args,
-                                           dynamic_shapes=_any_cache_length(example_args), strict=False)
             torch._inductor.aoti_compile_and_package(exported, package_path=tmp, inductor_configs=configs)
         os.chmod(tmp, 0o600)
         os.replace(tmp, path)

@@ -1,6 +1,7 @@
 """The compiled decode step of :class:`~minigpt.infer.fastpath.FastPath`: a traced function of static shapes over
-``seq`` new tokens per row (:func:`static_step`), one nested compile region per layer (:func:`step_layer`), and
-the ``torch.compile`` set-up that trims its per-call overhead (:func:`compile_step`).
+``seq`` new tokens per row (:func:`static_step`), one nested compile region per layer under ``torch.compile``
+(:func:`step_layer`, over :func:`decode_layer`), and the ``torch.compile`` set-up that trims its per-call overhead
+(:func:`compile_step`).
 
 The layer is the model's block (:func:`~minigpt.model.transformer.pre_norm_residual` with
 :func:`~minigpt.model.norm.rms_norm`, :func:`~minigpt.model.rope.rope_rotate` and
@@ -97,7 +98,7 @@ _DROPPED_GUARDS = ("NO_TENSOR_ALIASING",)
 
 
 def static_step(fp, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Tensor,
-                k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]):
+                k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], regions: bool = True):
     """The traced step of FastPath ``fp`` over ``seq`` new tokens per row (``token`` ``[batch, seq]``; 1 when
     decoding): static shapes, the position ``input_pos`` ``[1]`` and the padding ``pad`` ``[batch]`` as tensors.
 
@@ -106,25 +107,35 @@ def static_step(fp, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Ten
     result equals attending to the prefix) and to the new tokens' keys and values up to its own.
     Returns ``(logits [batch, seq, vocab], new_k, new_v)``, the last two a list per layer of ``[batch, n_kv_heads,
     seq, head_dim]`` for the caller to write at columns ``pos .. pos + seq - 1``. The graph mutates nothing: with the cache write inside it, the nested compile regions below wrote garbage into
-    the cache for models of more than one layer (torch 2.13; tests/test_compile.py covers it)."""
-    h, new_k, new_v = _trunk(fp, token, input_pos, pad, k_cache, v_cache)
+    the cache for models of more than one layer (torch 2.13; tests/infer/test_compile.py covers it).
+
+    ``regions``: each layer through the nested compile region :func:`step_layer` (for ``torch.compile``), else
+    :func:`decode_layer` inline (for ``torch.export``, see :func:`_trunk`)."""
+    h, new_k, new_v = _trunk(fp, token, input_pos, pad, k_cache, v_cache, regions)
     h = rms_norm(h, fp.final_norm, fp.final_eps)
     return decode_linear(fp.head, h, w8a8=fp.geometry.head_w8a8), new_k, new_v
 
 
 def static_greedy_step(fp, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Tensor,
-                       k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]):
+                       k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], regions: bool = True):
     """:func:`static_step` for greedy decoding through the head's int8 screen (``fp.screen``,
     :mod:`~minigpt.infer.fastpath.screen`): returns ``(next [batch, seq] int64, new_k, new_v, h [batch, seq,
     dim])``, ``next`` -1 where the screen could not certify the argmax (the caller computes it from ``h``)."""
-    h, new_k, new_v = _trunk(fp, token, input_pos, pad, k_cache, v_cache)
+    h, new_k, new_v = _trunk(fp, token, input_pos, pad, k_cache, v_cache, regions)
     h = rms_norm(h, fp.final_norm, fp.final_eps)
     sc = fp.screen
     return screened_argmax(fp.head.weight, sc.proj, sc.bound, h, sc.native), new_k, new_v, h
 
 
-def _trunk(fp, token, input_pos, pad, k_cache, v_cache):
-    """The layers of the step: ``(h [batch, seq, dim] before the final norm, new_k, new_v)``."""
+def _trunk(fp, token, input_pos, pad, k_cache, v_cache, regions: bool = True):
+    """The layers of the step: ``(h [batch, seq, dim] before the final norm, new_k, new_v)``.
+
+    ``regions`` False calls :func:`decode_layer` directly. Why: ``torch.export`` (the AOTInductor package) traces
+    a nested compile region by running Dynamo over it at every call, 30 times for a 30-layer model; inline, the
+    same package (the same shared library, byte for byte in size, the same outputs to the bit) took 102.5 s to
+    export and compile against 134.9 s at SmolLM-135M's shape on 2 cores, the six of `serve --compile-batch 4`
+    914 s against 1,134 s (docs/benchmarks.md, session 49)."""
+    layer = step_layer if regions else decode_layer
     columns = torch.arange(k_cache[0].shape[2], device=token.device)
     # The cached columns a query sees: the row's own prefix, without the columns being written now (their keys
     # and values enter the attention directly, see step_layer).
@@ -137,9 +148,9 @@ def _trunk(fp, token, input_pos, pad, k_cache, v_cache):
     new_k, new_v = [], []
     g = fp.geometry
     for i, lw in enumerate(fp.layers):
-        h, k, v = step_layer(h, k_cache[i], v_cache[i], key_valid, cos, sin, lw.attn_norm,
-                             *_proj_args(lw.wqkv), *_proj_args(lw.wo), lw.ffn_norm, *_proj_args(lw.w13),
-                             *_proj_args(lw.w2), g, lw.attn_norm_eps, lw.ffn_norm_eps)
+        h, k, v = layer(h, k_cache[i], v_cache[i], key_valid, cos, sin, lw.attn_norm, *_proj_args(lw.wqkv),
+                        *_proj_args(lw.wo), lw.ffn_norm, *_proj_args(lw.w13), *_proj_args(lw.w2), g,
+                        lw.attn_norm_eps, lw.ffn_norm_eps)
         new_k.append(k)
         new_v.append(v)
     return h, new_k, new_v
@@ -151,13 +162,9 @@ def _proj_args(p: Proj) -> tuple:
     return None if p.words is not None else p.weight, p.scale, p.bias, p.words, p.word_scale
 
 
-# A decode layer is one nested compile region: Inductor compiles it once and stamps the code out for every layer,
-# so compile time does not grow with depth (a whole 20-layer step took minutes to compile). One region rather than
-# two halves around the cache write: a region call costs Python wrapper time, and the cache is written outside.
-@torch.compiler.nested_compile_region
-def step_layer(h, k_cache, v_cache, key_valid, cos, sin, attn_norm, wqkv, wqkv_scale, wqkv_bias, wqkv_words,
-               wqkv_ws, wo, wo_scale, wo_bias, wo_words, wo_ws, ffn_norm, w13, w13_scale, w13_bias, w13_words,
-               w13_ws, w2, w2_scale, w2_bias, w2_words, w2_ws, g: Geometry, attn_eps: float, ffn_eps: float):
+def decode_layer(h, k_cache, v_cache, key_valid, cos, sin, attn_norm, wqkv, wqkv_scale, wqkv_bias, wqkv_words,
+                 wqkv_ws, wo, wo_scale, wo_bias, wo_words, wo_ws, ffn_norm, w13, w13_scale, w13_bias, w13_words,
+                 w13_ws, w2, w2_scale, w2_bias, w2_words, w2_ws, g: Geometry, attn_eps: float, ffn_eps: float):
     """One block for ``seq`` new tokens per row: ``h`` ``[batch, seq, dim]`` -> ``(h [batch, seq, dim], k, v)``,
     ``k``/``v`` ``[batch, n_kv_heads, seq, head_dim]`` the new tokens' keys and values (cache layout, for the
     caller to write). ``cos``/``sin`` ``[batch, seq, 1, head_dim]``, the sine signed
@@ -209,3 +216,10 @@ def step_layer(h, k_cache, v_cache, key_valid, cos, sin, attn_norm, wqkv, wqkv_s
     k, v = new_kv
     # Clones: a region's outputs may not alias each other or its inputs (they are a few hundred floats).
     return h, k.clone(), v.clone()
+
+
+# Under torch.compile a decode layer is one nested compile region: Inductor compiles it once and stamps the code out
+# for every layer, so compile time does not grow with depth (a whole 20-layer step took minutes to compile). One
+# region rather than two halves around the cache write: a region call costs Python wrapper time, and the cache is
+# written outside.
+step_layer = torch.compiler.nested_compile_region(decode_layer)
