@@ -26,6 +26,7 @@ any failure of export or compilation, fall back to :mod:`~minigpt.infer.fastpath
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -139,14 +140,20 @@ def _any_cache_length(example_args: tuple) -> dict:
             "v_cache": [{2: length}] * len(v_cache)}
 
 
+@contextlib.contextmanager
+def _exporting():
+    """No autograd, and none of the warnings torch 2.13's own pytree code raises many times over while exporting
+    and packaging (``isinstance(treespec, LeafSpec)`` is deprecated): nothing a user of the package can act on."""
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
+        yield
+
+
 def export_step(fp, example_args: tuple, greedy: bool = False) -> torch.export.ExportedProgram:
     """``torch.export`` of :class:`StepModule` (``greedy``: the screened greedy step) of FastPath ``fp`` for the
     shapes of ``example_args`` (``token``, ``input_pos``, ``pad``, ``k_cache``, ``v_cache``), the cache length left
     dynamic (:func:`_any_cache_length`): what :func:`export_package` compiles. Raises whatever export raises."""
-    # torch 2.13's own pytree code warns that `isinstance(treespec, LeafSpec)` is deprecated, many times over,
-    # while exporting and packaging: nothing a user of the package can act on.
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
+    with _exporting():
         return torch.export.export(StepModule(fp, greedy), example_args,
                                    dynamic_shapes=_any_cache_length(example_args), strict=False)
 
@@ -164,8 +171,7 @@ def export_package(fp, example_args: tuple, path: Path, greedy: bool = False) ->
     os.close(fd)
     try:
         exported = export_step(fp, example_args, greedy)
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
+        with _exporting():
             torch._inductor.aoti_compile_and_package(exported, package_path=tmp, inductor_configs=configs)
         os.chmod(tmp, 0o600)
         os.replace(tmp, path)
