@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
-from minigpt.errors import MiniGPTError
+from minigpt.errors import MiniGPTError, os_error_from
 
 FORMAT = "minigpt"
 MANIFEST = "manifest.json"
@@ -41,6 +41,19 @@ def _refuse_non_dir(final: Path) -> None:
     if final.is_symlink() or (final.exists() and not final.is_dir()):
         kind = "a symbolic link" if final.is_symlink() else "an existing file, not a directory"
         raise MiniGPTError(f"{final} is {kind}; nothing was written: remove it or choose another path")
+
+
+def save_tensors(tensors: dict, path: str | Path, metadata: Optional[dict] = None) -> None:
+    """``safetensors.torch.save_file(tensors, path, metadata)``, whose failure to write (a full disk, a read-only
+    file system) is raised as the ``OSError`` it is (errno and ``path``) instead of safetensors' own exception type,
+    so that the command line reports it in one line. Other safetensors errors are raised unchanged."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        raise (os_error_from(e, path) or e) from None
 
 
 def begin_atomic_dir(final: str | Path) -> Path:

@@ -31,9 +31,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors.torch import save_file
 
-from minigpt.checkpoint.atomic import check_output_file
+from minigpt.checkpoint.atomic import check_output_file, save_tensors
 from minigpt.checkpoint.native import atomic_dir, load_chat_template, load_model, load_tokenizer, model_state_dict
 from minigpt.checkpoint.tokenizer_bos import adds_bos, template_prefix
 from minigpt.errors import MiniGPTError
@@ -63,12 +62,12 @@ def write_safetensors(tensors: dict[str, torch.Tensor], directory: Path, max_byt
     """Write ``model.safetensors``, or shards plus ``model.safetensors.index.json``; returns the file names."""
     parts = shard(tensors, max_bytes)
     if len(parts) == 1:
-        save_file(parts[0], str(directory / "model.safetensors"), metadata={"format": "pt"})
+        save_tensors(parts[0], directory / "model.safetensors", metadata={"format": "pt"})
         return ["model.safetensors"]
     names, weight_map = [], {}
     for i, part in enumerate(parts, 1):
         name = f"model-{i:05d}-of-{len(parts):05d}.safetensors"
-        save_file(part, str(directory / name), metadata={"format": "pt"})
+        save_tensors(part, directory / name, metadata={"format": "pt"})
         names.append(name)
         weight_map.update({k: name for k in part})
     total = sum(t.numel() * t.element_size() for t in tensors.values())

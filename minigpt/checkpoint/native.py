@@ -14,9 +14,9 @@ from typing import Iterable, Optional
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from minigpt.checkpoint.atomic import FORMAT, atomic_dir, verify_manifest
+from minigpt.checkpoint.atomic import FORMAT, atomic_dir, save_tensors, verify_manifest
 from minigpt.checkpoint.quantized import (
     build_quantized,
     check_quantization,
@@ -59,7 +59,7 @@ def write_model_files(model: Transformer, directory: Path, tokenizer=None, chat_
     existing ``directory``."""
     config = {"format": FORMAT, **model.config.to_dict()}
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(model_state_dict(model), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    save_tensors(model_state_dict(model), directory / "model.safetensors", metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save(directory / "tokenizer.json")
     if chat_template:
@@ -77,7 +77,8 @@ def save_pretrained(model: Transformer, directory: str | Path, tokenizer=None, c
 
 def _read_json(path: Path) -> dict:
     if not path.is_file():
-        raise MiniGPTError(f"{path.parent} is not a model directory: {path.name} is missing")
+        what = "is not a file" if path.exists() else "is missing"
+        raise MiniGPTError(f"{path.parent} is not a model directory: {path.name} {what}")
     try:
         d = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
@@ -422,7 +423,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if path.is_file() and path.suffix in MODEL_FILE_SUFFIXES:
         return path
     if not path.is_dir():
-        raise MiniGPTError(f"checkpoint {path} does not exist (give a run dir, checkpoint dir, HF model dir, "
+        what = "is not a model file" if path.exists() else "does not exist"
+        raise MiniGPTError(f"checkpoint {path} {what} (give a run dir, checkpoint dir, HF model dir, "
                            ".gguf file or llama2.c .bin file)")
     if (path / "config.json").is_file():
         return path
@@ -432,4 +434,5 @@ def resolve_checkpoint(path: str | Path) -> Path:
         if target.is_dir():
             return target
         raise MiniGPTError(f"{latest} points at {target}, which does not exist")
-    raise MiniGPTError(f"{path} is not a model directory: config.json is missing")
+    what = "is not a file" if (path / "config.json").exists() else "is missing"
+    raise MiniGPTError(f"{path} is not a model directory: config.json {what}")

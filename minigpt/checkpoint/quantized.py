@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
-from minigpt.checkpoint.atomic import FORMAT, atomic_dir
+from minigpt.checkpoint.atomic import FORMAT, atomic_dir, save_tensors
 from minigpt.errors import MiniGPTError
 from minigpt.model.quant import (
     GROUP_SIZE,
@@ -118,7 +117,7 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, chat_template: O
     with atomic_dir(directory) as tmp:
         config = {"format": FORMAT, "quantization": dict(quantization), **model.config.to_dict()}
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file(quantized_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_tensors(quantized_state_dict(model), tmp / "model.safetensors", metadata={"format": "pt"})
         write_tokenizer_files(tmp, tokenizer, chat_template)
     return Path(directory)
 

@@ -14,7 +14,7 @@ import os
 import sys
 
 from minigpt.cli import analysis, convert, data, evaluate, generate, posttrain, quick, serve, train
-from minigpt.errors import MiniGPTError
+from minigpt.errors import MiniGPTError, describe_os_error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # anything else a user can cause; MINIGPT_DEBUG=1 shows the traceback
         if os.environ.get("MINIGPT_DEBUG"):
             raise
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        shown = describe_os_error(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+        print(f"error: {shown}", file=sys.stderr)
         return 1
 
 
@@ -70,7 +71,7 @@ def _native(argv: list[str]) -> int | None:
     except (MiniGPTError, NativeError, ValueError, OSError) as e:
         if os.environ.get("MINIGPT_DEBUG"):
             raise
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {describe_os_error(e) if isinstance(e, OSError) else e}", file=sys.stderr)
         return 1
 
 

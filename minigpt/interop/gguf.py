@@ -29,7 +29,7 @@ from typing import Any, BinaryIO, Iterator, Optional
 import numpy as np
 import torch
 
-from minigpt.errors import MiniGPTError
+from minigpt.errors import MiniGPTError, one_line
 from minigpt.interop.gguf_header import check_header
 from minigpt.interop.hf import check_representable
 from minigpt.model.config import ModelConfig
@@ -352,7 +352,8 @@ def write_gguf(
     """Write ``state_dict`` (our names, tied head already removed) as a llama GGUF, atomically.
 
     ``dtype``: ``float32``, ``float16``, ``bfloat16`` or ``q8_0`` (see the module docstring for which tensors).
-    Raises :class:`MiniGPTError` for a configuration GGUF's ``llama`` architecture cannot express.
+    Raises :class:`MiniGPTError` for a configuration GGUF's ``llama`` architecture cannot express, or a write cut
+    short (a full disk); ``OSError`` for other failed writes. The file appears whole or not at all.
     """
     import gguf
 
@@ -406,9 +407,12 @@ def write_gguf(
         writer.write_tensors_to_file()
         writer.close()
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         writer.close()
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno is None:  # numpy's tofile reports a short write without an errno
+            raise MiniGPTError(f"writing {path} stopped short ({one_line(e)}): is the disk full? free some space "
+                               "or write to another disk") from None
         raise
     return path
 

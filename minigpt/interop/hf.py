@@ -121,6 +121,9 @@ def _split_fused_experts(key: str, value: torch.Tensor) -> Optional[dict[str, to
 def architecture(hf: dict[str, Any]) -> str:
     """The supported architecture a ``config.json`` dict describes; raises :class:`MiniGPTError` otherwise."""
     archs = hf.get("architectures") or [_MODEL_TYPES.get(hf.get("model_type"), hf.get("model_type", "?"))]
+    if not isinstance(archs, list):
+        raise MiniGPTError(f"config.json: architectures must be a list of names, e.g. [\"LlamaForCausalLM\"], "
+                           f"got {archs!r}")
     if archs[0] not in SUPPORTED_ARCHITECTURES:
         raise MiniGPTError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     return archs[0]
@@ -191,6 +194,20 @@ def _flag(hf: dict[str, Any], key: str) -> bool:
     raise MiniGPTError(f"config.json: {key} must be true or false, got {value!r}")
 
 
+def _number(hf: dict[str, Any], key: str, default: Any = None, kind: type = int) -> Any:
+    """Field ``key`` of ``config.json``, an integer (``kind`` float: any number); absent or null: ``default``, and
+    with no default raises :class:`MiniGPTError` naming the field, as for a value of another type."""
+    value = hf.get(key)
+    if value is None and default is not None:
+        return default
+    if value is None:
+        raise MiniGPTError(f"config.json: {key} is missing")
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise MiniGPTError(f"config.json: {key} must be {'a number' if kind is float else 'an integer'}, "
+                           f"got {value!r}")
+    return value
+
+
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """``config.json`` of a Llama / Mistral / Qwen2 ``...ForCausalLM`` -> :class:`ModelConfig`.
 
@@ -202,7 +219,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     arch = architecture(hf)
     if hf.get("hidden_act", "silu") != "silu":
         raise MiniGPTError(f"hidden_act {hf['hidden_act']!r} is not supported; only 'silu' (SwiGLU)")
-    context = hf.get("max_position_embeddings", 2048)
+    context = _number(hf, "max_position_embeddings", 2048)
     theta, scaling = _rope_from_hf(hf)
     max_seq_len = context
     if scaling is not None and scaling["type"] == "dynamic":
@@ -211,7 +228,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     attention_bias, mlp_bias = _flag(hf, "attention_bias"), _flag(hf, "mlp_bias")
     if arch != "LlamaForCausalLM":
         attention_bias, mlp_bias = arch == "Qwen2ForCausalLM", False
-    n_heads = hf["num_attention_heads"]
+    n_heads = _number(hf, "num_attention_heads")
     moe: dict[str, Any] = {}
     if arch == "MixtralForCausalLM":
         k = hf.get("num_experts_per_tok", 2)
@@ -220,14 +237,14 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
                    moe_hidden_dim=hf["intermediate_size"],
                    router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)) * k, router_z_loss_coef=0.0)
     return ModelConfig(
-        vocab_size=hf["vocab_size"],
-        dim=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
+        vocab_size=_number(hf, "vocab_size"),
+        dim=_number(hf, "hidden_size"),
+        n_layers=_number(hf, "num_hidden_layers"),
         n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-        hidden_dim=hf["intermediate_size"],
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        n_kv_heads=_number(hf, "num_key_value_heads", n_heads),
+        head_dim=_number(hf, "head_dim", _number(hf, "hidden_size") // max(n_heads, 1)),
+        hidden_dim=_number(hf, "intermediate_size"),
+        norm_eps=_number(hf, "rms_norm_eps", 1e-6, float),
         rope_theta=theta,
         rope_scaling=scaling,
         max_seq_len=max_seq_len,

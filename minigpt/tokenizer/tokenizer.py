@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Union
 
-from minigpt.errors import MiniGPTError, one_line
+from minigpt.errors import MiniGPTError, one_line, os_error_from
 from minigpt.tokenizer import roles as roles_mod
 from minigpt.tokenizer.roles import UNSET, TokenRoles
 
@@ -218,6 +219,9 @@ class Tokenizer:
         sentencepiece tokenizer, so that :meth:`from_dir` finds it) or a file path used as is, except that a
         sentencepiece model asked to be saved under a name not ending in ``.model`` (say ``dir/tokenizer.json``) is
         written to ``tokenizer.model`` in that folder instead: its bytes are a protobuf, not JSON.
+
+        Raises ``OSError`` (its errno and the file's name) when the file cannot be written, a full disk or a
+        read-only file system; nothing is left behind then.
         """
         path = Path(path)
         if path.is_dir():
@@ -225,12 +229,18 @@ class Tokenizer:
         elif self._sp is not None and path.suffix != ".model":
             path = path.with_name(SP_FILE)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        if self._sp is not None:
-            tmp.write_bytes(self._sp_proto)
-        else:
-            self._hf.save(str(tmp), pretty=True)
-        tmp.replace(path)  # atomic: a crash never leaves a half-written tokenizer next to a good model
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            if self._sp is not None:
+                tmp.write_bytes(self._sp_proto)
+            else:
+                try:
+                    self._hf.save(str(tmp), pretty=True)
+                except Exception as e:  # tokenizers raises a bare Exception for a failed write (full disk, ...)
+                    raise (os_error_from(e, path) or e) from None
+            tmp.replace(path)  # atomic: a crash never leaves a half-written tokenizer next to a good model
+        finally:
+            tmp.unlink(missing_ok=True)
         return path
 
     # ----------------------------------------------------------------------------------------------- properties

@@ -409,31 +409,38 @@ def _split(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--presets", default="tiny,small,medium", help="comma-separated: tiny,small,medium")
-    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32,bfloat16")
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated: {','.join(ROWS)}")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per implementation (median reported)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (compilation happens here)")
-    p.add_argument("--compile", action="store_true", help="add the compiled MiniGPT variant (decode step, training)")
-    p.add_argument("--compile-mode", dest="compile_mode", default=None,
-                   help="torch.compile mode, e.g. max-autotune-no-cudagraphs (default: inductor's default)")
-    p.add_argument("--quantize", help="add weight-only variants (decode, prefill): int8, int4 or int8,int4")
-    p.add_argument("--model", metavar="PATH", help="benchmark this model (checkpoint, HF dir, .gguf) instead of "
-                   "random --presets")
-    p.add_argument("--no-transformers", dest="transformers", action="store_false",
-                   help="MiniGPT only (also automatic when transformers is not installed)")
-    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
-    p.add_argument("--prompt-len", dest="prompt_len", type=int, default=32)
-    p.add_argument("--new-tokens", dest="new_tokens", type=int, default=128)
-    p.add_argument("--prefill-len", dest="prefill_len", type=int, default=512)
-    p.add_argument("--train-batch", dest="train_batch", type=int, default=8)
-    p.add_argument("--train-seq", dest="train_seq", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warm-compile-cache", dest="cold_compile", action="store_false",
-                   help="reuse Inductor's on-disk cache (compile times then show cache hits, not first use)")
-    p.add_argument("--json", dest="json_path", metavar="FILE", help="write every measurement as JSON ('-' = stdout)")
-    p.add_argument("--out", metavar="FILE", help="also write the markdown table here")
+def _add_model_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Add the model benchmark's options to ``p``; returns them."""
+    actions = []
+
+    def add(*names, **kw):
+        actions.append(p.add_argument(*names, **kw))
+
+    add("--presets", default="tiny,small,medium", help="comma-separated: tiny,small,medium")
+    add("--dtypes", default="float32,bfloat16", help="comma-separated: float32,bfloat16")
+    add("--rows", default=",".join(ROWS), help=f"comma-separated: {','.join(ROWS)}")
+    add("--repeats", type=int, default=5, help="timed runs per implementation (median reported)")
+    add("--warmup", type=int, default=1, help="untimed runs first (compilation happens here)")
+    add("--compile", action="store_true", help="add the compiled MiniGPT variant (decode step, training)")
+    add("--compile-mode", dest="compile_mode", default=None,
+        help="torch.compile mode, e.g. max-autotune-no-cudagraphs (default: inductor's default)")
+    add("--quantize", help="add weight-only variants (decode, prefill): int8, int4 or int8,int4")
+    add("--model", metavar="PATH", help="benchmark this model (checkpoint, HF dir, .gguf) instead of "
+        "random --presets")
+    add("--no-transformers", dest="transformers", action="store_false",
+        help="MiniGPT only (also automatic when transformers is not installed)")
+    add("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    add("--prompt-len", dest="prompt_len", type=int, default=32)
+    add("--new-tokens", dest="new_tokens", type=int, default=128)
+    add("--prefill-len", dest="prefill_len", type=int, default=512)
+    add("--train-batch", dest="train_batch", type=int, default=8)
+    add("--train-seq", dest="train_seq", type=int, default=256)
+    add("--seed", type=int, default=0)
+    add("--warm-compile-cache", dest="cold_compile", action="store_false",
+        help="reuse Inductor's on-disk cache (compile times then show cache hits, not first use)")
+    add("--json", dest="json_path", metavar="FILE", help="write every measurement as JSON ('-' = stdout)")
+    add("--out", metavar="FILE", help="also write the markdown table here")
+    return actions
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -485,7 +492,8 @@ def add_bench_parser(subparsers) -> argparse._SubParsersAction:
     group = p.add_subparsers(dest="bench_command", metavar="{model,quant,speculative,serve}")
     m = group.add_parser("model", help="the model benchmark (the default)", description=doc,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_model_args(m)
+    for action in _add_model_args(m):  # defaults would overwrite options given before `model` (`bench --x model`)
+        action.default = argparse.SUPPRESS
     m.set_defaults(func=cmd_bench)
 
     add_report_parsers(group)

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from minigpt.errors import MiniGPTError
 from minigpt.infer.fastpath.kernels import ACT_DTYPE, Proj, decode_linear
 from minigpt.infer.fastpath.screen import screened_argmax
 from minigpt.model.ffn import ffn_hidden
@@ -57,6 +58,14 @@ def simd_options() -> dict:
     if choice == "native" or "avx512f" not in cpu_flags():
         return {}
     return {"cpp.simdlen": int(choice)}
+
+
+def check_compile_mode(compile_mode: Optional[str]) -> Optional[str]:
+    """``compile_mode`` if it is None or one of torch.compile's modes (``torch._inductor.list_mode_options``), else
+    raises :class:`~minigpt.errors.MiniGPTError` naming them."""
+    if compile_mode is not None and compile_mode not in (modes := torch._inductor.list_mode_options()):
+        raise MiniGPTError(f"unknown compile mode {compile_mode!r}; choose one of {', '.join(modes)}")
+    return compile_mode
 
 
 def compile_step(fp, compile_mode: Optional[str], serializable: bool = False, greedy: bool = False) -> Callable:

@@ -35,7 +35,7 @@ from minigpt.infer.fastpath.library import (
     w8a8_wanted,
 )
 from minigpt.infer.fastpath.screen import build_screen, resolve
-from minigpt.infer.fastpath.step import Geometry, compile_step
+from minigpt.infer.fastpath.step import Geometry, check_compile_mode, compile_step
 from minigpt.infer.kv_cache import LayerKVCache
 from minigpt.infer.launcher import CACHE_BUCKET
 from minigpt.model.attention import causal_mask, padded_causal_mask
@@ -82,8 +82,9 @@ class FastPath(nn.Module):
     Python wrapper per token), falling back to the saved ``torch.compile`` step when packaging fails.
     ``screen``: greedy steps (:meth:`decode_next`) of a compiled float model read the LM head through an int8
     screen (:mod:`minigpt.infer.fastpath.screen`); None: unless ``$MINIGPT_HEAD_SCREEN`` is ``0``. Raises
-    ``ValueError`` for an architecture the fast path does not compute (see :func:`supports`) only when ``strict``;
-    otherwise such models run through their own forward.
+    ``ValueError`` for an architecture the fast path does not compute (see :func:`supports`) only when ``strict``
+    (otherwise such models run through their own forward), and :class:`~minigpt.errors.MiniGPTError` for a
+    ``compile_mode`` torch.compile does not know.
     """
 
     def __init__(self, model: Transformer, fuse: bool = True, compile: bool = False,
@@ -104,7 +105,7 @@ class FastPath(nn.Module):
         self.fused = fuse and self.reason is None
         # The compiled step reads the fused matrices; without fusion it is not offered.
         self.compiled = compile and self.reason is None and fuse
-        self.compile_mode = compile_mode
+        self.compile_mode = check_compile_mode(compile_mode)  # a bad name fails here, not at the first compile
         self.compile_seconds = 0.0  # wall time spent compiling (first call of each new shape), seconds
         # The compiled steps per (batch, seq, cache length, grad mode, inference mode, greedy): loaded from or saved
         # to ``compile_cache`` (:mod:`minigpt.infer.fastpath.aot`; None: its default directory, False: never) when
