@@ -27,15 +27,16 @@ from typing import Any, Iterable, Optional
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
-from minigpt.checkpoint.atomic import atomic_dir
+from minigpt.checkpoint.atomic import atomic_dir, save_tensors
 from minigpt.checkpoint.native import load_model
 from minigpt.errors import MiniGPTError
 from minigpt.interop.hf import from_hf_key, to_hf_key
 from minigpt.model.lora import HF_TARGETS, LoRALinear, lora_layers, merge_lora
 from minigpt.model.quant import Int8Linear
+from minigpt.model.transformer import resize_token_embeddings
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -43,6 +44,9 @@ PREFIX = "base_model.model."  # PeftModelForCausalLM.base_model (LoraModel) .mod
 # Our full modules that an adapter may carry whole (PEFT's modules_to_save), by their Hugging Face name.
 SAVEABLE_MODULES = {"embed_tokens": "tok_embeddings", "lm_head": "output"}
 _LORA_KEY = re.compile(r"^(.+)\.lora_([AB])\.weight$")
+# Our whole weights with a row per token: an adapter may carry more rows than its base (tokens added in training).
+VOCAB_WEIGHTS = ("tok_embeddings.weight", "output.weight")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
 def _hf_module(name: str) -> str:
@@ -141,7 +145,7 @@ def save_adapter(model: nn.Module, directory: str | Path, base_model_name_or_pat
     tensors = adapter_state_dict(model, modules_to_save)
     with atomic_dir(directory) as tmp:
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_tensors(tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
     return Path(directory)
 
 
@@ -198,13 +202,23 @@ def load_adapter(model: nn.Module, directory: str | Path) -> list[str]:
     (and copy any ``modules_to_save`` weights), in place; the base stays frozen, the adapters trainable.
 
     Rank per module comes from the tensors' shapes (so ``rank_pattern`` needs no parsing); alpha from
-    ``lora_alpha`` or ``alpha_pattern``. Returns our names of the adapted modules. Raises :class:`MiniGPTError`
-    for an unreadable folder, an unsupported feature, a tensor with no MiniGPT counterpart, or a shape that does
-    not fit the base model (one line naming the tensor and both shapes).
+    ``lora_alpha`` or ``alpha_pattern``. An adapter whose saved embedding / LM-head rows (``[V', dim]``) cover a
+    vocabulary larger than the base's ``V`` (``minigpt sft`` adding the ChatML tokens, or a PEFT run after
+    ``resize_token_embeddings``) first grows the base to ``V'`` rows
+    (:func:`~minigpt.model.transformer.resize_token_embeddings`, tied weights staying tied) and then takes the saved
+    rows, as PEFT does after the base is resized to the adapter's tokenizer; ``model.config.vocab_size`` becomes
+    ``V'``. An untied base given only embedding rows gets mean-initialised LM-head rows. Returns our names of
+    the adapted modules. Raises :class:`MiniGPTError` for an unreadable folder, an unsupported feature, a tensor
+    with no MiniGPT counterpart, or a shape that does not fit the base model (one line naming the tensor and both
+    shapes): any dimension but the vocabulary's differing, fewer vocabulary rows than the base's, or saved
+    embedding and LM-head rows of different vocabularies.
     """
     config, pairs, whole, weights = _read_tensors(directory)
     if any(isinstance(m, LoRALinear) for m in model.modules()):
         raise MiniGPTError("the model already has LoRA adapters; merge_lora first to load another")
+    vocab_size = _adapter_vocab_size(model, whole, weights)
+    if vocab_size is not None:
+        resize_token_embeddings(model, vocab_size)  # the new rows are overwritten below
     for p in model.parameters():
         p.requires_grad_(False)
     names = []
@@ -212,21 +226,74 @@ def load_adapter(model: nn.Module, directory: str | Path) -> list[str]:
         names.append(_attach(model, hf_name, ab, config, weights))
     for name, value in whole.items():
         target = model.get_submodule(name.rsplit(".", 1)[0]).weight
-        if tuple(value.shape) != tuple(target.shape):
-            raise MiniGPTError(f"{weights}: {name} has shape {tuple(value.shape)} but the base model's is "
-                               f"{tuple(target.shape)} (was the base's vocabulary resized before training?)")
         with torch.no_grad():
             target.copy_(value)
         target.requires_grad_(True)
     return names
 
 
+def _adapter_vocab_size(model: nn.Module, whole: dict[str, torch.Tensor], weights: Path) -> Optional[int]:
+    """The vocabulary size the whole tensors ``whole`` (our names) need the base ``model`` grown to, or None when
+    they fit it as it is. Raises :class:`MiniGPTError` for a tensor that fits neither way."""
+    grown = {}
+    for name, value in whole.items():
+        try:
+            target = model.get_submodule(name.rsplit(".", 1)[0]).weight
+        except AttributeError:
+            raise MiniGPTError(f"{weights}: {name} does not exist in the base model") from None
+        got, want = tuple(value.shape), tuple(target.shape)
+        if name in VOCAB_WEIGHTS and len(got) == len(want) == 2:
+            grown[name] = got[0]
+            if got[1] != want[1]:
+                raise MiniGPTError(f"{weights}: {name} has shape {got} but the base model's is {want} (adapter made "
+                                   "for a base model of another width?)")
+            if got[0] < want[0]:
+                raise MiniGPTError(f"{weights}: {name} has shape {got}, {got[0]} vocabulary rows, but the base model's "
+                                   f"is {want}; an adapter cannot shrink the vocabulary (adapter made for another "
+                                   "base model?)")
+        elif got != want:
+            raise MiniGPTError(f"{weights}: {name} has shape {got} but the base model's is {want} (adapter made for "
+                               "a different base model?)")
+    if len(set(grown.values())) > 1:
+        raise MiniGPTError(f"{weights}: the saved rows disagree on the vocabulary size: "
+                           + ", ".join(f"{n} has {v}" for n, v in sorted(grown.items())))
+    size = next(iter(grown.values()), None)
+    return size if size is not None and size > model.tok_embeddings.weight.shape[0] else None
+
+
+def adapter_vocab_size(directory: str | Path) -> Optional[int]:
+    """The vocabulary size (rows) of the embedding / LM-head weights the PEFT folder ``directory`` carries whole
+    (``modules_to_save``), or None when it carries neither. Raises :class:`MiniGPTError` for an unreadable
+    folder."""
+    _, _, whole, _ = _read_tensors(directory)
+    rows = [v.shape[0] for n, v in sorted(whole.items()) if n in VOCAB_WEIGHTS and v.dim() == 2]
+    return rows[0] if rows else None
+
+
+def tokenizer_source(base: str | Path, adapter: str | Path | None = None) -> Path:
+    """Where the tokenizer and chat template that go with the PEFT folder ``adapter`` over the model ``base`` are:
+    the adapter folder when it holds a tokenizer, else its parent when that does (an SFT output's ``adapter/``
+    sits next to the tokenizer with the tokens it added), else ``base``; ``adapter`` None gives ``base``. Read it
+    with :func:`~minigpt.checkpoint.native.load_tokenizer` / ``load_chat_template``. Raises nothing."""
+    if adapter is not None:
+        for where in (Path(adapter), Path(adapter).parent):
+            if any((where / name).is_file() for name in TOKENIZER_FILES):
+                return where
+    return Path(base)
+
+
 def read_adapter(model: nn.Module, directory: str | Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
     """The LoRA updates of the PEFT folder ``directory`` for ``model`` without touching it: ``{our module name:
     (A [rank, in], B [out, rank], scaling)}``, checked as :func:`load_adapter` checks them. For serving several
     adapters over one base (:mod:`minigpt.infer.adapters`). Raises :class:`MiniGPTError` as :func:`load_adapter`
-    does, and for an adapter carrying whole modules (``modules_to_save``), which cannot be shared per row."""
+    does, and for an adapter carrying whole modules (``modules_to_save``), which cannot be shared per row, naming
+    the vocabulary it adds when it grows the base's."""
     config, pairs, whole, weights = _read_tensors(directory)
+    vocab_size = _adapter_vocab_size(model, whole, weights)
+    if vocab_size is not None:
+        raise MiniGPTError(f"{directory} grows the vocabulary from {model.config.vocab_size} to {vocab_size} tokens "
+                           "(its tokenizer added tokens); adapters served by name share the base's vocabulary and "
+                           "tokenizer: serve it alone, merged: --adapter DIR")
     if whole:
         raise MiniGPTError(f"{directory} carries whole {', '.join(sorted(whole))} weights (modules_to_save); "
                            "serve it alone, merged: --adapter DIR")

@@ -12,6 +12,9 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
+from safetensors import SafetensorError
+from safetensors.torch import save_file
+
 from minigpt.errors import MiniGPTError, os_error_from
 
 FORMAT = "minigpt"
@@ -47,9 +50,6 @@ def save_tensors(tensors: dict, path: str | Path, metadata: Optional[dict] = Non
     """``safetensors.torch.save_file(tensors, path, metadata)``, whose failure to write (a full disk, a read-only
     file system) is raised as the ``OSError`` it is (errno and ``path``) instead of safetensors' own exception type,
     so that the command line reports it in one line. Other safetensors errors are raised unchanged."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-
     try:
         save_file(tensors, str(path), metadata=metadata)
     except SafetensorError as e:

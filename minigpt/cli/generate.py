@@ -45,6 +45,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     import torch
 
+    from minigpt.checkpoint.adapter import tokenizer_source
     from minigpt.checkpoint.native import load_chat_template, load_tokenizer, resolve_checkpoint
     from minigpt.infer.fastpath import load_for_inference
     from minigpt.infer.generate import generate_batch, generate_tokens
@@ -72,11 +73,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, stop=tuple(args.stop or ()), seed=args.seed)
     model = load_for_inference(ckpt, adapter=args.adapter, **options)
-    tokenizer = load_tokenizer(ckpt)
+    words = tokenizer_source(ckpt, args.adapter)  # an adapter's own tokenizer and template, with tokens it added
+    tokenizer = load_tokenizer(words)
     load_s = time.perf_counter() - t_load
     chat = None
     if args.chat is not None:
-        chat = ChatTemplate.for_model(tokenizer, load_chat_template(ckpt))
+        chat = ChatTemplate.for_model(tokenizer, load_chat_template(words))
         messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + [
             {"role": "user", "content": args.chat}]
         prompts = [chat.render(messages, add_generation_prompt=True)]  # what --echo shows
@@ -86,7 +88,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params = params.replace(stop=params.stop + chat.stop)
     else:
         prompts = _read_prompts(args)
-        bos = args.bos or prompt_bos(ckpt, tokenizer)
+        bos = args.bos or prompt_bos(words, tokenizer)
         encoded = [encode_prompt(tokenizer, p, bos=bos, special=not args.no_special) for p in prompts]
     if len(prompts) > 1 and args.draft:
         raise MiniGPTError("--draft decodes one prompt at a time; give a single prompt")

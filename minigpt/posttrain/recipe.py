@@ -42,7 +42,7 @@ from minigpt.checkpoint.native import load_model, resolve_checkpoint, write_mode
 from minigpt.errors import MiniGPTError
 from minigpt.model.lora import apply_lora, merge_lora, trainable_parameters
 from minigpt.model.quant import Int8Linear, is_quantized
-from minigpt.posttrain.vocab import resize_token_embeddings
+from minigpt.model.transformer import resize_token_embeddings
 from minigpt.train import distributed as dist_mod
 from minigpt.train.config import TrainerConfig
 from minigpt.train.trainer import Trainer

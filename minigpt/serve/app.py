@@ -42,6 +42,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minigpt.checkpoint.adapter import tokenizer_source
 from minigpt.checkpoint.native import load_chat_template, load_tokenizer, resolve_checkpoint
 from minigpt.errors import MiniGPTError
 from minigpt.infer.engine import Engine
@@ -451,14 +452,15 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optio
     import uvicorn
 
     ckpt = resolve_checkpoint(source)
-    tokenizer = load_tokenizer(ckpt)
+    words = tokenizer_source(ckpt, adapter)  # a merged adapter's own tokenizer and template, with tokens it added
+    tokenizer = load_tokenizer(words)
     name = model_name or (ckpt.stem if ckpt.is_file() else ckpt.name)
     engine = load_engine(ckpt, tokenizer, adapter, adapters, device, dtype, name, max_batch_size=max_batch_size,
                          max_batch_tokens=max_batch_tokens, max_queue=max_queue,
                          max_prefill_tokens=max_prefill_tokens, context=context, prefix_cache_bytes=prefix_cache_bytes,
                          compile=compile)
-    state = ServerState(engine, tokenizer, name, api_key, load_chat_template(ckpt), request_timeout,
-                        add_bos=prompt_bos(ckpt, tokenizer), max_body_bytes=max_body_bytes)
+    state = ServerState(engine, tokenizer, name, api_key, load_chat_template(words), request_timeout,
+                        add_bos=prompt_bos(words, tokenizer), max_body_bytes=max_body_bytes)
     app = create_app(state)
 
     class DrainingServer(uvicorn.Server):

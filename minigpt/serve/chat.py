@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional, TextIO
 
-from minigpt.checkpoint.adapter import load_merged
+from minigpt.checkpoint.adapter import load_merged, tokenizer_source
 from minigpt.checkpoint.native import load_chat_template, load_tokenizer, resolve_checkpoint
 from minigpt.checkpoint.tokenizer_bos import adds_bos
 from minigpt.errors import MiniGPTError
@@ -85,8 +85,9 @@ def run_chat(source: str, max_tokens: int = 256, temperature: float = 0.8, top_k
     ckpt = resolve_checkpoint(source)
 
     def load() -> tuple[Engine | Conversation, Tokenizer, ChatTemplate]:
-        tokenizer = load_tokenizer(ckpt)
-        chat = ChatTemplate.for_model(tokenizer, load_chat_template(ckpt))
+        words = tokenizer_source(ckpt, adapter)  # an adapter's own tokenizer and template, with tokens it added
+        tokenizer = load_tokenizer(words)
+        chat = ChatTemplate.for_model(tokenizer, load_chat_template(words))
         if compile:
             model = load_for_inference(ckpt, device=pick_device(device), dtype=DTYPES[dtype], compile=True,
                                        adapter=adapter, aoti=True)

@@ -31,13 +31,14 @@ def test_a_full_disk_names_the_file_asked_for_not_its_temporary_sibling():
 
 
 def test_safetensors_failing_to_write_is_the_oserror_it_is(tmp_path, monkeypatch):
-    import safetensors.torch
     from safetensors import SafetensorError
+
+    from minigpt.checkpoint import atomic
 
     def full_disk(tensors, filename, metadata=None):  # safetensors' own words for a write that hit a full disk
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    monkeypatch.setattr(atomic, "save_file", full_disk)
     with pytest.raises(OSError) as e:
         save_tensors({"w": torch.zeros(4)}, tmp_path / "model.safetensors")
     assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / "model.safetensors")
@@ -45,7 +46,7 @@ def test_safetensors_failing_to_write_is_the_oserror_it_is(tmp_path, monkeypatch
     def other(tensors, filename, metadata=None):
         raise SafetensorError("some tensors share memory")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", other)
+    monkeypatch.setattr(atomic, "save_file", other)
     with pytest.raises(SafetensorError, match="share memory"):  # not an I/O failure: raised as it was
         save_tensors({"w": torch.zeros(4)}, tmp_path / "model.safetensors")
 
