@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 from minigpt.cli.common import add_command
+from minigpt.cli.train import check_dir_arg
+from minigpt.errors import MiniGPTError
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -20,11 +22,16 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     The input is streamed with bounded memory whatever its size, and tokenized in --workers processes (the output
     is byte-identical for any number). Progress goes to stderr (a bar on a terminal, else a line every 15 s), then
     one line with the throughput in MB/s of input text; stdout gets the meta.json contents. An interrupted run can
-    simply be re-run: the token files are renamed into place only when complete.
+    simply be re-run: the token files are renamed into place only when complete. Options and the source are
+    checked before --out-dir is created, and a run that fails removes the directory again if it made it.
     """
     from minigpt.data import prepare as data
-    from minigpt.tokenizer.tokenizer import Tokenizer
+    from minigpt.tokenizer.tokenizer import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE, Tokenizer
 
+    check_dir_arg(args.out_dir)
+    if not args.tokenizer and not MIN_VOCAB_SIZE <= args.vocab_size <= MAX_VOCAB_SIZE:
+        raise MiniGPTError(f"--vocab-size must be between {MIN_VOCAB_SIZE} (the 256 byte tokens, 2 special tokens "
+                           f"and 1 merge) and 2**32, got {args.vocab_size}")
     tok = Tokenizer.from_file(args.tokenizer) if args.tokenizer else None
     sample = (data.DEFAULT_TOKENIZER_SAMPLE_BYTES if args.tokenizer_sample_bytes is None
               else _parse_size(args.tokenizer_sample_bytes, "--tokenizer-sample-bytes"))
@@ -36,17 +43,31 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_tokenizer_train(args: argparse.Namespace) -> int:
-    """Train a byte-level BPE tokenizer (special tokens <|endoftext|>, <|pad|>) on text files; writes tokenizer.json."""
+    """Train a byte-level BPE tokenizer (special tokens <|endoftext|>, <|pad|>) on text files; writes tokenizer.json.
+
+    --out is the file to write (an existing directory: tokenizer.json in it); a path under a file is refused before
+    training.
+    """
     from minigpt.data.sources import iter_documents, resolve_source
     from minigpt.tokenizer.tokenizer import train_tokenizer
+
+    out = Path(args.out)
+    for parent in out.parents:  # the folder to write in: checked before the training, which can take long
+        if parent.is_symlink() and not parent.exists():
+            raise MiniGPTError(f"--out {out}: {parent} is a dangling symbolic link; remove it or choose another path")
+        if parent.exists():
+            if not parent.is_dir():
+                raise MiniGPTError(f"--out {out} lies under {parent}, an existing file, not a directory; choose "
+                                   "another path")
+            break
 
     def texts():
         for f in args.files:
             yield from iter_documents(resolve_source(f))
 
     tok = train_tokenizer(texts(), args.vocab_size)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    tok.save(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(out)
     print(f"wrote {args.out} ({tok.vocab_size} tokens)")
     return 0
 

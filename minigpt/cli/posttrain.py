@@ -5,7 +5,7 @@ import argparse
 from typing import Any
 
 from minigpt.cli.common import add_command
-from minigpt.cli.train import apply_sets, read_config_file
+from minigpt.cli.train import apply_sets, output_dir, read_config_file
 from minigpt.errors import MiniGPTError
 
 # Flags that are options of the same name (None = not given: the --config file or the default decides).
@@ -40,15 +40,19 @@ def cmd_sft(args: argparse.Namespace) -> int:
     ChatML is used and its <|im_start|>/<|im_end|> tokens are added. --out-dir receives a model directory that
     `minigpt generate` and `minigpt chat` read, and with --lora-rank the PEFT adapter in adapter/; it is also the
     run directory of the trainer `minigpt train` uses (metrics.jsonl, loss_curve.png, checkpoints/, --resume,
-    torchrun DDP/FSDP). --quantize int8 trains LoRA adapters over an int8-quantized frozen base.
+    torchrun DDP/FSDP). --quantize int8 trains LoRA adapters over an int8-quantized frozen base. --out-dir that is a
+    file is refused; a run that fails before writing anything (unusable data, too little disk) leaves no new
+    directory behind.
 
     Options come from --config FILE.yaml (any option by its name, e.g. lora_rank: 8, pack: false), then flags,
     then --set key=value.
     """
     from minigpt.posttrain.sft import SFTConfig, sft
 
-    sft(_config(SFTConfig, args, RUN_OPTIONS, {**COMMON_SWITCHES, "no_pack": ("pack", False),
-                                                "train_on_prompt": ("train_on_prompt", True)}))
+    cfg = _config(SFTConfig, args, RUN_OPTIONS, {**COMMON_SWITCHES, "no_pack": ("pack", False),
+                                                  "train_on_prompt": ("train_on_prompt", True)})
+    with output_dir(cfg.out_dir):  # a run that fails before writing anything leaves no new --out-dir behind
+        sft(cfg)
     return 0
 
 
@@ -65,8 +69,10 @@ def cmd_dpo(args: argparse.Namespace) -> int:
     """
     from minigpt.posttrain.dpo import DPOConfig, dpo
 
-    dpo(_config(DPOConfig, args, RUN_OPTIONS + ("beta", "loss"),
-                {**COMMON_SWITCHES, "precompute_ref": ("precompute_ref", True)}))
+    cfg = _config(DPOConfig, args, RUN_OPTIONS + ("beta", "loss"),
+                  {**COMMON_SWITCHES, "precompute_ref": ("precompute_ref", True)})
+    with output_dir(cfg.out_dir):  # as in sft
+        dpo(cfg)
     return 0
 
 

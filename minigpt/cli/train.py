@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from minigpt.cli.common import add_command, parse_value
 from minigpt.errors import MiniGPTError
@@ -38,10 +40,100 @@ def apply_sets(options: dict[str, Any], items: list[str] | None) -> dict[str, An
     return options
 
 
+def check_dir_arg(path_text: str, flag: str = "--out-dir") -> Path:
+    """``path_text`` as a :class:`Path`, checked to be a directory or a path where one can be made.
+
+    Raises :class:`MiniGPTError` (naming ``flag``) when it is an existing file, lies under one, or is (or lies
+    under) a dangling symbolic link.
+    """
+    path = Path(path_text)
+    for p in (path, *path.parents):
+        if p.is_symlink() and not p.exists():
+            raise MiniGPTError(f"{flag} {path}: {p} is a dangling symbolic link; remove it or give another directory")
+        if p.exists():
+            if p.is_dir():
+                break
+            if p == path:
+                raise MiniGPTError(f"{flag} {path} is an existing file, not a directory; give a directory (or remove "
+                                   "the file)")
+            raise MiniGPTError(f"{flag} {path} lies under {p}, an existing file, not a directory; give another "
+                               "directory")
+    return path
+
+
+@contextmanager
+def output_dir(path_text: str, flag: str = "--out-dir") -> Iterator[Path]:
+    """Run the body that writes the output directory ``path_text`` (checked first: :func:`check_dir_arg`).
+
+    When the body fails and the directory did not exist before, it is removed again, with the parents the command
+    made, if it holds nothing but empty directories: a failed command leaves no empty output behind. A directory
+    that existed before, and anything with a file in it, is kept. Raises what :func:`check_dir_arg` raises, and
+    whatever the body raises.
+    """
+    path = check_dir_arg(path_text, flag)
+    created = None  # the topmost directory the body may make
+    for p in (path, *path.parents):
+        if p.exists() or p.is_symlink():
+            break
+        created = p
+    try:
+        yield path
+    except BaseException:
+        if created is not None and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 made it
+            _remove_empty_dirs(path, created)
+        raise
+
+
+def _remove_empty_dirs(path: Path, top: Path) -> None:
+    """Remove ``path`` and its sub-directories, bottom-up, if they hold no file, then its empty parents up to
+    ``top``; ``rmdir`` refuses a directory with anything in it, so nothing but empty directories goes."""
+    if path.is_symlink() or not path.is_dir():
+        return
+    for root, _dirs, _files in os.walk(path, topdown=False):
+        try:
+            os.rmdir(root)
+        except OSError:
+            pass
+    for d in (path, *path.parents):
+        try:
+            d.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return
+        if d == top:
+            return
+
+
+def check_model_options(cfg) -> None:
+    """Fail before any data is prepared when ``cfg``'s preset, model overrides or ``seq_len`` cannot make a model
+    (the vocabulary, still unknown, is a placeholder unless ``model.vocab_size`` is given), or when the data is to
+    be prepared with a ``vocab_size`` no tokenizer can have.
+
+    Raises :class:`MiniGPTError` naming the problem.
+    """
+    from minigpt.data.loader import META_FILE
+    from minigpt.model.config import preset
+    from minigpt.tokenizer.tokenizer import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE
+
+    prepared = (Path(cfg.data) / META_FILE).is_file() or (Path(cfg.out_dir) / "data" / META_FILE).is_file()
+    if not prepared and not MIN_VOCAB_SIZE <= cfg.vocab_size <= MAX_VOCAB_SIZE:
+        raise MiniGPTError(f"--vocab-size must be between {MIN_VOCAB_SIZE} (the 256 byte tokens, 2 special tokens "
+                           f"and 1 merge) and 2**32, got {cfg.vocab_size}")
+    try:
+        model_cfg = preset(cfg.preset, **{"vocab_size": 4096, **cfg.model})
+    except (TypeError, ValueError) as e:
+        raise MiniGPTError(f"invalid model config: {e}") from None
+    if cfg.seq_len is not None and cfg.seq_len > model_cfg.max_seq_len:
+        raise MiniGPTError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Train a model: AdamW, warmup + cosine schedule, evaluation in nats/token, perplexity and bits per byte.
 
-    Options come from --config FILE.yaml, then flags, then --set key=value (model fields as model.KEY=VALUE).
+    Options come from --config FILE.yaml, then flags, then --set key=value (model fields as model.KEY=VALUE). The
+    model options are checked before the data is prepared; a run that fails before writing anything leaves no new
+    --out-dir behind.
     """
     from minigpt.train.loop import TrainConfig, train
 
@@ -65,7 +157,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = TrainConfig.from_dict(options)
     except (TypeError, ValueError) as e:
         raise MiniGPTError(f"invalid training config: {e}") from None
-    train(cfg)
+    check_model_options(cfg)  # before the data is prepared into --out-dir, which can take long
+    with output_dir(cfg.out_dir):
+        train(cfg)
     return 0
 
 

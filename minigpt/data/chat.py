@@ -7,9 +7,10 @@ Input: one JSON object per line, in any of three layouts, converted on load to O
   ``"\\n\\n" + input`` when ``input`` is non-empty, the rule of the data in ``shared/data/sft``) and one assistant turn;
 * ShareGPT: ``{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}``.
 
-A line that cannot be used (invalid JSON, unknown layout or role, empty content, no assistant turn, longer than the
-model's context once rendered) is skipped and counted; :class:`SkipReport` prints one summary line. With
-``strict=True`` the first such line raises :class:`~minigpt.errors.MiniGPTError` naming ``file:line`` instead.
+A line that cannot be used (not valid UTF-8, invalid JSON, unknown layout or role, empty content, no assistant turn,
+longer than the model's context once rendered) is skipped and counted; :class:`SkipReport` prints one summary line
+(with the line numbers of the lines that are not UTF-8). With ``strict=True`` the first such line raises
+:class:`~minigpt.errors.MiniGPTError` naming ``file:line`` instead.
 
 Labels follow the Hugging Face convention: ``labels`` is aligned with ``input_ids`` and holds ``-100`` (ignored)
 everywhere except the assistant turns' tokens, their closing ``<|im_end|>`` included (``train_on_prompt``: every
@@ -31,6 +32,7 @@ from typing import Any, Callable, Iterable, Optional, TypeVar
 import torch
 import torch.nn.functional as F
 
+from minigpt.data.text import utf8_message
 from minigpt.errors import MiniGPTError
 from minigpt.tokenizer.chat_template import ChatTemplate
 
@@ -58,18 +60,38 @@ class ChatExample:
         return sum(1 for y in self.labels[1:] if y != IGNORE_INDEX)
 
 
+NOT_UTF8 = "not valid UTF-8"  # the reason of a line whose bytes do not decode (always shown with its line numbers)
+SHOWN_LINES = 5  # line numbers a summary lists per reason at most
+
+
 @dataclass
 class SkipReport:
-    """Counts of lines kept and skipped by reason (``invalid JSON``, ``unknown role``...)."""
+    """Counts of lines kept and skipped by reason (``invalid JSON``, ``unknown role``...); ``lines``: the line
+    numbers of the skipped lines of :func:`read_jsonl`, by reason."""
 
     kept: int = 0
     skipped: Counter = field(default_factory=Counter)
+    lines: dict[str, list[int]] = field(default_factory=dict)
+
+    def skip(self, reason: str, lineno: Optional[int] = None) -> None:
+        """Count one skipped line (``lineno``: its 1-based line number, when known)."""
+        self.skipped[reason] += 1
+        if lineno is not None:
+            self.lines.setdefault(reason, []).append(lineno)
 
     def summary(self, name: str, unit: str = "conversations") -> str:
-        """One line: ``NAME: 98 conversations, 2 skipped (invalid JSON 1, too long 1)`` (``unit``: what is kept)."""
+        """One line: ``NAME: 98 conversations, 2 skipped (invalid JSON 1, too long 1)`` (``unit``: what is kept);
+        lines that are not UTF-8 also get their line numbers: ``not valid UTF-8 2 [lines 7, 9]``."""
         n = sum(self.skipped.values())
-        reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(self.skipped.items()))
+        reasons = ", ".join(f"{reason} {count}{self._where(reason)}" for reason, count in sorted(self.skipped.items()))
         return f"{name}: {self.kept} {unit}" + (f", {n} skipped ({reasons})" if n else "")
+
+    def _where(self, reason: str) -> str:
+        numbers = self.lines.get(reason, []) if reason == NOT_UTF8 else []
+        if not numbers:
+            return ""
+        shown = ", ".join(map(str, numbers[:SHOWN_LINES])) + (", ..." if len(numbers) > SHOWN_LINES else "")
+        return f" [line{'s' if len(numbers) > 1 else ''} {shown}]"
 
 
 class BadLine(ValueError):
@@ -131,9 +153,13 @@ T = TypeVar("T")
 
 def read_jsonl(path: str | Path, what: str, convert: Callable[[Any, str], T], strict: bool = False,
                report: Optional[SkipReport] = None) -> list[T]:
-    """``convert(record, "file:line")`` of every JSON line of ``path``; a line that is not JSON or that ``convert``
-    rejects with :class:`BadLine` is counted in ``report`` (or, ``strict``, raises :class:`MiniGPTError` naming file
-    and line). Blank lines are ignored; ``what`` names the file in the error for a missing one."""
+    """``convert(record, "file:line")`` of every JSON line of ``path``; a line that is not valid UTF-8, not JSON, or
+    that ``convert`` rejects with :class:`BadLine` is counted in ``report`` with its line number (or, ``strict``,
+    raises :class:`MiniGPTError` naming file and line). Blank lines are ignored.
+
+    Raises :class:`MiniGPTError` when ``path`` is missing or a directory (``what`` names the file in the message),
+    and, ``strict``, at the first unusable line.
+    """
     path = Path(path)
     if path.is_dir():
         raise MiniGPTError(f"{what} file {path} is a directory; give a .jsonl file")
@@ -141,8 +167,17 @@ def read_jsonl(path: str | Path, what: str, convert: Callable[[Any, str], T], st
         raise MiniGPTError(f"{what} file {path} does not exist")
     report = report if report is not None else SkipReport()
     out = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
+    offset = 0  # of the line's first byte, for the message about a byte that is not UTF-8
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            start, offset = offset, offset + len(raw)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                if strict:
+                    raise MiniGPTError(utf8_message(path, start + e.start, e) + f" (line {lineno})") from None
+                report.skip(NOT_UTF8, lineno)
+                continue
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
@@ -155,7 +190,7 @@ def read_jsonl(path: str | Path, what: str, convert: Callable[[Any, str], T], st
             except BadLine as e:
                 if strict:
                     raise MiniGPTError(f"{where}: {e}") from None
-                report.skipped[e.reason] += 1
+                report.skip(e.reason, lineno)
     report.kept = len(out)
     return out
 

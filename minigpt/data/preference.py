@@ -18,8 +18,8 @@ merging across the boundary goes to the completion), and standard answers get th
 they already end with it (the EOS id itself where that token has no text, as SentencePiece's ``</s>``). Unlike TRL (``max_length`` 1024, cutting the end), a pair longer than the context is
 skipped, never truncated: a cut answer would be judged on text the annotator never saw.
 
-A line that cannot be used (invalid JSON, unknown layout or role, empty text, identical answers, too long) is skipped
-and counted in a :class:`~minigpt.data.chat.SkipReport`; with ``strict=True`` the first one raises
+A line that cannot be used (not valid UTF-8, invalid JSON, unknown layout or role, empty text, identical answers, too
+long) is skipped and counted in a :class:`~minigpt.data.chat.SkipReport`; with ``strict=True`` the first one raises
 :class:`~minigpt.errors.MiniGPTError` naming ``file:line``.
 
 Batches (:func:`pad_pairs`) stack the chosen sequences then the rejected ones, ``[2 * batch, seq_len]``, right-padded,
@@ -27,7 +27,6 @@ with ``labels = -100`` outside the completions: one forward pass scores both ans
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -143,8 +142,11 @@ def to_preference(record: Any) -> tuple[Any, Any, Any]:
 
 def read_preferences(path: str | Path, strict: bool = False, report: Optional[SkipReport] = None
                      ) -> list[PreferenceRecord]:
-    """Validated records of a JSONL preference file (:func:`minigpt.data.chat.read_jsonl`: unusable lines are
-    counted in ``report`` or, ``strict``, raise :class:`MiniGPTError` naming file and line)."""
+    """Validated records of a JSONL preference file (:func:`minigpt.data.chat.read_jsonl`: unusable lines, those
+    that are not valid UTF-8 included, are counted in ``report`` with their line numbers).
+
+    Raises :class:`MiniGPTError` for a missing file or a directory, and (``strict``) at the first unusable line,
+    naming file and line."""
     return read_jsonl(path, "preference data",
                       lambda record, where: PreferenceRecord(*to_preference(record), source=where), strict, report)
 

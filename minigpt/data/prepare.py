@@ -32,7 +32,7 @@ import numpy as np
 
 # The loader's names stay importable from here, where they lived before minigpt.data.loader existed; new code
 # imports them from minigpt.data (or minigpt.data.loader).
-from minigpt.data.loader import META_FILE, BatchSampler, bits_per_byte, eval_windows, load_meta, load_split
+from minigpt.data.loader import META_FILE, BatchSampler, bits_per_byte, eval_windows, load_meta, load_split  # noqa: F401
 from minigpt.data.pipeline import SplitWriter, TokenizePipeline
 from minigpt.data.sources import (
     SOURCE_DEFAULT,
@@ -47,7 +47,15 @@ from minigpt.data.sources import (
     resolve_source,
 )
 from minigpt.errors import MiniGPTError
-from minigpt.tokenizer.tokenizer import HF_FILE, SP_FILE, Tokenizer, train_tokenizer
+from minigpt.tokenizer.tokenizer import (
+    HF_FILE,
+    MAX_VOCAB_SIZE,
+    MIN_VOCAB_SIZE,
+    SP_FILE,
+    SPECIAL_TOKENS,
+    Tokenizer,
+    train_tokenizer,
+)
 
 try:
     import fcntl
@@ -124,9 +132,14 @@ def prepare(source: Union[str, Path, Source], out_dir: PathLike, tokenizer: Unio
         (separators and special tokens excluded), the denominator of :func:`minigpt.data.loader.bits_per_byte`.
 
     Raises:
-        ValueError: bad arguments (both or neither of tokenizer / vocab_size, val_fraction outside (0, 1)).
+        ValueError: bad arguments (both or neither of tokenizer / vocab_size, val_fraction outside (0, 1),
+            vocab_size out of range).
         MiniGPTError: unusable source, a split that would be empty, ``workers`` < 1, a negative
-            ``tokenizer_sample_bytes``, another prepare writing to ``out_dir``, or a worker process that died.
+            ``tokenizer_sample_bytes``, ``out_dir`` an existing file or under one, another prepare writing to
+            ``out_dir``, or a worker process that died.
+
+    Arguments and the source are checked before ``out_dir`` is created; when the run fails later, a directory this
+    call created is removed again with the files it wrote there (an existing one is kept).
 
     Memory is bounded: the stream is read ``chunk_bytes`` at a time and at most ``2 * workers`` jobs of 256 Ki
     characters are in flight. Token files are written to temporary names, fsync'ed and renamed at the end; the
@@ -146,17 +159,18 @@ def prepare(source: Union[str, Path, Source], out_dir: PathLike, tokenizer: Unio
                                                or tokenizer_sample_bytes < 0):
         raise MiniGPTError(f"the tokenizer sample size must be a whole number of bytes >= 0 (0: the whole train "
                            f"split), got {tokenizer_sample_bytes!r}")
+    if vocab_size is not None:
+        _check_vocab_size(vocab_size)
     src = resolve_source(source)
     sep = effective_sep(src, doc_sep)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     text_size = src.path.stat().st_size if src.kind == "text" else None  # for progress totals only
     started = time.perf_counter()
 
     def labeled() -> Iterator[Tuple[str, Piece]]:
         return labeled_pieces(src, sep, val_fraction, seed, chunk_bytes)
 
-    with _DirLock(out) as lock:
+    with _NewDir(out), _DirLock(out) as lock:  # a failure removes the directory again if this call made it
         removed = _remove_stale_temporaries(out)
         if removed:
             say(f"removed {removed} temporary file(s) left in {out} by an interrupted prepare")
@@ -282,6 +296,63 @@ def _train_on_sample(src: Source, sep: Optional[str], labeled: Callable[[], Iter
                 raise MiniGPTError(_empty_split_message(src, sep, split, val_fraction))
     say(f"trained the tokenizer on {seen['train'] / 1e6:.1f} MB in {time.perf_counter() - t0:.1f} s")
     return tok
+
+
+def _check_vocab_size(vocab_size: Any) -> None:
+    """The check :func:`train_tokenizer` makes, made before anything is written. Raises ``ValueError``."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        raise ValueError(f"vocab_size must be an int, got {vocab_size!r}")
+    if not MIN_VOCAB_SIZE <= vocab_size <= MAX_VOCAB_SIZE:
+        raise ValueError(f"vocab_size must be between {MIN_VOCAB_SIZE} (256 byte tokens + {len(SPECIAL_TOKENS)} "
+                         f"special tokens + 1 merge) and 2**32, got {vocab_size}")
+
+
+class _NewDir:
+    """Create the output directory ``out`` (and missing parents) on entry; on a failure inside, remove it again,
+    with the files prepare writes, if this call created it. An existing directory is never removed, nor a file
+    prepare does not write (someone else's: the directory then stays).
+
+    Raises:
+        MiniGPTError: ``out`` (or a parent) is an existing file, or a dangling symbolic link.
+    """
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.created: Optional[Path] = None  # the topmost directory this call creates
+
+    def __enter__(self) -> "_NewDir":
+        out = self.out
+        for p in (out, *out.parents):
+            if p.is_symlink() and not p.exists():
+                raise MiniGPTError(f"output directory {out}: {p} is a dangling symbolic link; remove it or choose "
+                                   "another directory")
+            if p.exists():
+                if not p.is_dir():
+                    what = "is" if p == out else f"lies under {p}, which is"
+                    raise MiniGPTError(f"output directory {out} {what} an existing file, not a directory; choose "
+                                       "another directory or remove the file")
+                break
+            self.created = p
+        out.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None or self.created is None:
+            return
+        mine = [HF_FILE, SP_FILE, META_FILE, *(f"{s}.bin" for s in SPLITS)]
+        patterns = [f"{s}.bin.tmp*" for s in SPLITS] + [f"{n}.tmp" for n in mine] + [f".{n}.tmp-*" for n in mine]
+        for path in [self.out / n for n in mine] + [q for pattern in patterns for q in self.out.glob(pattern)]:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass
+        for d in (self.out, *self.out.parents):  # rmdir refuses a directory someone else put a file in
+            try:
+                d.rmdir()
+            except OSError:
+                break
+            if d == self.created:
+                break
 
 
 def _remove_stale_temporaries(out: Path) -> int:
