@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from minigpt.cli.common import add_command, parse_value
+from minigpt.cli.common import add_command, parse_value, positive_int
 from minigpt.errors import MiniGPTError
 
 
@@ -109,7 +109,7 @@ def register(sub) -> None:
     p = add_command(sub, "ablate", cmd_ablate)
     p.add_argument("comparisons", nargs="*", default=["all"], metavar="COMPARISON")
     p.add_argument("--scale", default="tiny", help="tiny (default), small or medium")
-    p.add_argument("--threads", type=int, default=2, help="torch threads per run (default 2)")
+    p.add_argument("--threads", type=positive_int, default=2, help="torch threads per run (default 2)")
     p.add_argument("--steps", type=int, help="override the scale's training steps per run")
     p.add_argument("--tokens", help="training tokens per run instead of --steps, e.g. 500k or 2M")
     p.add_argument("--seed", type=int, default=1337, help="first seed (default 1337)")
@@ -142,7 +142,7 @@ def register(sub) -> None:
     p.add_argument("--prompt-words", dest="prompt_words", type=int, default=24, help="words per prompt")
     p.add_argument("--max-batch-size", dest="max_batch_size", type=int, default=None,
                    help="server slots (default: the largest --clients)")
-    p.add_argument("--threads", type=int, help="torch threads of the server it starts")
+    p.add_argument("--threads", type=positive_int, help="torch threads of the server it starts")
     p.add_argument("--compile", action="store_true", help="start the server with --compile")
     p.add_argument("--compile-batch", dest="compile_batch", type=int, default=None, metavar="N",
                    help="start the server with --compile-batch N")

@@ -14,6 +14,18 @@ def add_command(sub, name: str, func: Callable, **kw) -> argparse.ArgumentParser
     return p
 
 
+def positive_int(text: str) -> int:
+    """An ``argparse`` type: a whole number of at least 1 (``--threads``); anything else is the usage error
+    ``argument --threads: must be at least 1, got 0``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def parse_value(text: str) -> Any:
     """A ``--set KEY=VALUE`` value as YAML reads it (numbers, booleans, lists; else the string)."""
     import yaml

@@ -8,11 +8,13 @@ from minigpt.errors import MiniGPTError
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    """Quantize a model to weight-only int8 (per-output-channel symmetric scales; the default) or int4 (--dtype
-    int4: groups of --group-size inputs, 32 by default, each with a float16 scale: llama.cpp's Q4_0; the LM head and
-    layers whose width does not divide into groups stay int8) and save it with its tokenizer, special-token roles,
-    stop ids and chat template; every command that takes a checkpoint loads the result as is. Prints the tensor
-    bytes before and after (a tied embedding / LM head counted once).
+    """Quantize a model's weights to int8 or int4 and save it with its tokenizer and chat template.
+
+    int8 (the default): per-output-channel symmetric scales. int4 (--dtype int4): groups of --group-size inputs, 32
+    by default, each with a float16 scale: llama.cpp's Q4_0; the LM head and layers whose width does not divide into
+    groups stay int8. The output keeps the tokenizer, special-token roles, stop ids and chat template; every command
+    that takes a checkpoint loads the result as is. Prints the tensor bytes before and after (a tied embedding / LM
+    head counted once).
 
     OUT may be new, empty, or an earlier output of minigpt (re-running replaces it); OUT that is, holds or lies
     inside the source, a file, or a directory of other files is refused before anything is read or written.

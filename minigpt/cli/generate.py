@@ -61,6 +61,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise MiniGPTError(f"--seed must fit in 64 bits (-2**63 .. 2**64 - 1), got {args.seed}")
     if args.draft is not None and not 1 <= args.draft_k <= 64:
         raise MiniGPTError(f"--draft-k must be between 1 and 64 draft tokens a round, got {args.draft_k}")
+    if args.max_new_tokens < 1:  # one message for 0 and below (sampling's own names max_tokens, its API field)
+        raise MiniGPTError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.threads is not None:
         if args.threads < 1:
             raise MiniGPTError(f"--threads must be at least 1, got {args.threads}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from minigpt.cli.common import add_command
+from minigpt.cli.common import add_command, positive_int
 from minigpt.cli.train import apply_sets, output_dir, read_config_file
 from minigpt.errors import MiniGPTError
 
@@ -133,7 +133,7 @@ def _add_data_and_run_options(p) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model (compile time counts as training; rows are padded to --seq-len, "
                         "so one graph serves every step)")
-    p.add_argument("--threads", type=int, help="torch intra-op threads")
+    p.add_argument("--threads", type=positive_int, help="torch intra-op threads")
     p.add_argument("--parallel", choices=["none", "ddp", "fsdp"], help="data parallelism under torchrun")
     p.add_argument("--activation-checkpointing", dest="activation_checkpointing", action="store_true",
                    help="recompute block activations in the backward pass to save memory")

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Optional
 
-from minigpt.cli.common import add_command
+from minigpt.cli.common import add_command, positive_int
 from minigpt.errors import MiniGPTError
 
 
@@ -170,7 +170,7 @@ def register(sub) -> None:
                    help="largest request body; larger ones get 413 (default 4MiB)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--threads", type=int, help="torch intra-op threads of the model worker")
+    p.add_argument("--threads", type=positive_int, help="torch intra-op threads of the model worker")
     p.add_argument("--log-level", dest="log_level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--adapter", metavar="[NAME=]DIR", action="append",
@@ -208,4 +208,4 @@ def register(sub) -> None:
                    help="after each answer print to stderr its time to first token, decode tokens/s and compile time")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--threads", type=int, help="torch intra-op threads")
+    p.add_argument("--threads", type=positive_int, help="torch intra-op threads")

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from minigpt.cli.common import add_command, parse_value
+from minigpt.cli.common import add_command, parse_value, positive_int
 from minigpt.errors import MiniGPTError
 
 
@@ -180,7 +180,7 @@ def _common_train_flags(p: argparse.ArgumentParser) -> None:
                    help="adamw (default), or muon: Muon for the hidden matrices at --set muon_lr=... (default 0.02), "
                         "AdamW at --lr for embeddings, head, norms and biases")
     p.add_argument("--vocab-size", dest="vocab_size", type=int, help="tokenizer size if the data is prepared here")
-    p.add_argument("--threads", type=int, help="torch intra-op threads")
+    p.add_argument("--threads", type=positive_int, help="torch intra-op threads")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (compile time counts as training)")
     p.add_argument("--parallel", choices=["none", "ddp", "fsdp"],
                    help="data parallelism under torchrun: DDP, or FSDP2 sharding per transformer block")

@@ -371,12 +371,15 @@ def parse_n(body: dict) -> int:
 
 
 def parse_stream_flags(body: dict) -> tuple[bool, bool]:
-    """``(stream, stream_options.include_usage)`` of a request body, both False when absent."""
+    """``(stream, stream_options.include_usage)`` of a request body, both False when absent. Raises the 400 of
+    :func:`bad_request` for a field of the wrong type, and for ``stream_options`` without ``"stream": true``."""
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise bad_request(f"'stream' must be a boolean, got {to_json(stream)}", "stream")
     opts = body.get("stream_options")
     include_usage = False
+    if opts is not None and not stream:  # as OpenAI's API answers it (and vLLM's)
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
     if opts is not None:
         if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
             raise bad_request("'stream_options' must be an object with at most 'include_usage'", "stream_options")

@@ -66,7 +66,8 @@ class TrainerConfig:
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError("lr must be positive and min_lr_ratio in [0, 1]")
+            raise ValueError(f"lr must be positive and min_lr_ratio in [0, 1], got lr={self.lr!r}, "
+                             f"min_lr_ratio={self.min_lr_ratio!r}")
         if self.keep_checkpoints < 0:
             raise ValueError(f"keep_checkpoints must be 0 (keep all) or more, got {self.keep_checkpoints}")
         if self.max_steps is not None and self.max_steps <= 0:

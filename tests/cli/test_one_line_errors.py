@@ -1,6 +1,6 @@
 """Failures a user can cause or meet, each reported in one line: a full disk or read-only place while writing, a
-short GGUF write, an unknown compile mode, `bench` options given before `model`, a file where a model directory
-was expected, an HF config.json with fields of the wrong kind."""
+short GGUF write, an unknown compile mode, `bench` options given before `model`, --threads or --max-new-tokens
+below 1, a file where a model directory was expected, an HF config.json with fields of the wrong kind."""
 from __future__ import annotations
 
 import errno
@@ -101,6 +101,25 @@ def test_bench_options_before_model_are_kept():
     assert (args.model, args.presets, args.transformers) == ("/m", "tiny", False)
     args = build_parser().parse_args(["bench", "--presets", "tiny", "model", "--presets", "small"])
     assert (args.presets, args.repeats, args.transformers) == ("small", 5, True)  # after wins; the rest defaults
+
+
+@pytest.mark.parametrize("command", [["serve", "m"], ["chat", "m"], ["sft", "--model", "m", "--data", "d"],
+                                     ["train"], ["bench", "serve"]])
+def test_threads_below_one_is_a_usage_error(command, capsys):
+    from minigpt.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*command, "--threads", "0"])
+    assert e.value.code == 2 and "argument --threads: must be at least 1, got 0" in capsys.readouterr().err
+    assert build_parser().parse_args([*command, "--threads", "2"]).threads == 2
+
+
+@pytest.mark.parametrize("n", [0, -5])
+def test_max_new_tokens_below_one_is_one_message_naming_the_flag(n, capsys):
+    from minigpt.cli import main
+
+    assert main(["generate", "no-such-model", "--prompt", "hi", "--max-new-tokens", str(n)]) == 1
+    assert capsys.readouterr().err == f"error: --max-new-tokens must be at least 1, got {n}\n"
 
 
 # ------------------------------------------------------------------------------------------ model sources
