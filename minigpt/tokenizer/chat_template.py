@@ -35,6 +35,7 @@ from typing import Any, Optional, Sequence
 
 from minigpt.errors import MiniGPTError, one_line, shown_json
 from minigpt.tokenizer.interop import build_tokenizer, vocab_from_file
+from minigpt.tokenizer.roles import TokenRoles
 from minigpt.tokenizer.tokenizer import InvalidText, Tokenizer, check_text
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -223,7 +224,8 @@ def add_special_tokens(tokenizer: Tokenizer, tokens=CHAT_TOKENS) -> tuple[Tokeni
     (appended after the existing ids; empty when all were present). The input tokenizer is unchanged.
 
     A SentencePiece tokenizer comes back as an equivalent ``tokenizers`` one, since a ``tokenizer.model`` cannot
-    grow. Special tokens are never split or normalised and are recognised in rendered chat text.
+    grow, still adding BOS to prompts when it did (``add_bos``, and a ``<s> $A`` post-processor that a saved
+    ``tokenizer.json`` keeps). Special tokens are never split or normalised and are recognised in rendered chat text.
     """
     from tokenizers import AddedToken
 
@@ -232,7 +234,17 @@ def add_special_tokens(tokenizer: Tokenizer, tokens=CHAT_TOKENS) -> tuple[Tokeni
         return tokenizer, []
     hf = tokenizers_backend(tokenizer)
     hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
-    out = Tokenizer(hf=hf)
+    add_bos = tokenizer.add_bos
+    if tokenizer.backend == "sentencepiece" and tokenizer.bos_id is not None and add_bos is not False:
+        # A SentencePiece tokenizer whose files do not say prepends BOS (Llama's convention, as
+        # checkpoint.tokenizer_bos reads it); a `tokenizers` one does so by its post-processor, which is what
+        # its tokenizer.json keeps: Llama's template, as LlamaTokenizerFast.update_post_processor writes it.
+        from tokenizers.processors import TemplateProcessing
+
+        bos, add_bos = tokenizer.id_to_token(tokenizer.bos_id), True
+        hf.post_processor = TemplateProcessing(single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                                               special_tokens=[(bos, tokenizer.bos_id)])
+    out = Tokenizer(hf=hf, roles=TokenRoles(add_bos=add_bos))
     return out, [out.token_to_id(t) for t in missing]
 
 

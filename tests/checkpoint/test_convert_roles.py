@@ -94,3 +94,21 @@ def test_stop_ids_round_trip_through_hf_and_gguf(tmp_path, monkeypatch, extra_st
     assert value(keys.EOT_ID) == stops[1]
     assert value(keys.EOM_ID) == (stops[2] if len(stops) > 2 else None)
     assert load_tokenizer(path).stop_ids == stops
+
+
+def test_adding_chat_tokens_keeps_bos_through_a_saved_model(shared_data, tmp_path):
+    """SFT adds the ChatML tokens to stories260K's SentencePiece tokenizer, which turns it into a `tokenizers` one;
+    the model it saves must still prepend BOS to plain prompts, as its base did (and keep EOS and the stops)."""
+    from minigpt.checkpoint.native import load_model
+
+    source = shared_data / "models" / "stories260K" / "hf"
+    base = load_tokenizer(source)
+    grown, new_ids = add_special_tokens(base)
+    assert grown.backend == "tokenizers" and len(new_ids) == 2 and grown.add_bos is True
+    save_pretrained(load_model(source), tmp_path / "sft", grown)
+    back = load_tokenizer(tmp_path / "sft")
+    assert adds_bos(tmp_path / "sft", back) is True is adds_bos(source, base)
+    assert (back.bos_id, back.eos_id) == (base.bos_id, base.eos_id)
+    assert set(back.stop_ids) == set(grown.stop_ids) and grown.token_to_id("<|im_end|>") in back.stop_ids
+    for text in TEXTS[:3]:
+        assert back.encode(text) == base.encode(text), text
