@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from minigpt.cli.common import add_command
-from minigpt.cli.train import check_dir_arg
 from minigpt.errors import MiniGPTError
+from minigpt.paths import check_dir_path
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -28,7 +28,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from minigpt.data import prepare as data
     from minigpt.tokenizer.tokenizer import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE, Tokenizer
 
-    check_dir_arg(args.out_dir)
+    check_dir_path(args.out_dir, "--out-dir")
     if not args.tokenizer and not MIN_VOCAB_SIZE <= args.vocab_size <= MAX_VOCAB_SIZE:
         raise MiniGPTError(f"--vocab-size must be between {MIN_VOCAB_SIZE} (the 256 byte tokens, 2 special tokens "
                            f"and 1 merge) and 2**32, got {args.vocab_size}")
@@ -52,14 +52,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
     from minigpt.tokenizer.tokenizer import train_tokenizer
 
     out = Path(args.out)
-    for parent in out.parents:  # the folder to write in: checked before the training, which can take long
-        if parent.is_symlink() and not parent.exists():
-            raise MiniGPTError(f"--out {out}: {parent} is a dangling symbolic link; remove it or choose another path")
-        if parent.exists():
-            if not parent.is_dir():
-                raise MiniGPTError(f"--out {out} lies under {parent}, an existing file, not a directory; choose "
-                                   "another path")
-            break
+    check_dir_path(out.parent, f"--out {out}: its folder")  # before the training, which can take long
 
     def texts():
         for f in args.files:

@@ -9,6 +9,7 @@ from typing import Any, Iterator
 
 from minigpt.cli.common import add_command, parse_value, positive_int
 from minigpt.errors import MiniGPTError
+from minigpt.paths import check_dir_path, remove_created
 
 
 def read_config_file(path_text: str) -> dict[str, Any]:
@@ -40,69 +41,20 @@ def apply_sets(options: dict[str, Any], items: list[str] | None) -> dict[str, An
     return options
 
 
-def check_dir_arg(path_text: str, flag: str = "--out-dir") -> Path:
-    """``path_text`` as a :class:`Path`, checked to be a directory or a path where one can be made.
-
-    Raises :class:`MiniGPTError` (naming ``flag``) when it is an existing file, lies under one, or is (or lies
-    under) a dangling symbolic link.
-    """
-    path = Path(path_text)
-    for p in (path, *path.parents):
-        if p.is_symlink() and not p.exists():
-            raise MiniGPTError(f"{flag} {path}: {p} is a dangling symbolic link; remove it or give another directory")
-        if p.exists():
-            if p.is_dir():
-                break
-            if p == path:
-                raise MiniGPTError(f"{flag} {path} is an existing file, not a directory; give a directory (or remove "
-                                   "the file)")
-            raise MiniGPTError(f"{flag} {path} lies under {p}, an existing file, not a directory; give another "
-                               "directory")
-    return path
-
-
 @contextmanager
 def output_dir(path_text: str, flag: str = "--out-dir") -> Iterator[Path]:
-    """Run the body that writes the output directory ``path_text`` (checked first: :func:`check_dir_arg`).
-
-    When the body fails and the directory did not exist before, it is removed again, with the parents the command
-    made, if it holds nothing but empty directories: a failed command leaves no empty output behind. A directory
-    that existed before, and anything with a file in it, is kept. Raises what :func:`check_dir_arg` raises, and
-    whatever the body raises.
-    """
-    path = check_dir_arg(path_text, flag)
-    created = None  # the topmost directory the body may make
-    for p in (path, *path.parents):
-        if p.exists() or p.is_symlink():
-            break
-        created = p
+    """Run the body that writes the output directory ``path_text``, checked first
+    (:func:`~minigpt.paths.check_dir_path`). When the body fails, the directories the command made are taken back
+    if they hold nothing but empty directories (:func:`~minigpt.paths.remove_created`): a failed command leaves no
+    empty output behind, and a directory that existed before, or anything with a file in it, is kept. Raises what
+    ``check_dir_path`` raises, and whatever the body raises."""
+    created = check_dir_path(path_text, flag)
     try:
-        yield path
+        yield Path(path_text)
     except BaseException:
-        if created is not None and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 made it
-            _remove_empty_dirs(path, created)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 made it
+            remove_created(path_text, created)
         raise
-
-
-def _remove_empty_dirs(path: Path, top: Path) -> None:
-    """Remove ``path`` and its sub-directories, bottom-up, if they hold no file, then its empty parents up to
-    ``top``; ``rmdir`` refuses a directory with anything in it, so nothing but empty directories goes."""
-    if path.is_symlink() or not path.is_dir():
-        return
-    for root, _dirs, _files in os.walk(path, topdown=False):
-        try:
-            os.rmdir(root)
-        except OSError:
-            pass
-    for d in (path, *path.parents):
-        try:
-            d.rmdir()
-        except FileNotFoundError:
-            pass
-        except OSError:
-            return
-        if d == top:
-            return
 
 
 def check_model_options(cfg) -> None:

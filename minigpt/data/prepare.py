@@ -47,6 +47,7 @@ from minigpt.data.sources import (
     resolve_source,
 )
 from minigpt.errors import MiniGPTError
+from minigpt.paths import check_dir_path, remove_created
 from minigpt.tokenizer.tokenizer import (
     HF_FILE,
     MAX_VOCAB_SIZE,
@@ -308,9 +309,10 @@ def _check_vocab_size(vocab_size: Any) -> None:
 
 
 class _NewDir:
-    """Create the output directory ``out`` (and missing parents) on entry; on a failure inside, remove it again,
-    with the files prepare writes, if this call created it. An existing directory is never removed, nor a file
-    prepare does not write (someone else's: the directory then stays).
+    """Create the output directory ``out`` (and missing parents) on entry; on a failure inside, remove the files
+    prepare writes there and then the directories this call made (:func:`~minigpt.paths.remove_created`). An
+    existing directory is never removed, nor a file prepare does not write (someone else's: the directory then
+    stays).
 
     Raises:
         MiniGPTError: ``out`` (or a parent) is an existing file, or a dangling symbolic link.
@@ -321,19 +323,8 @@ class _NewDir:
         self.created: Optional[Path] = None  # the topmost directory this call creates
 
     def __enter__(self) -> "_NewDir":
-        out = self.out
-        for p in (out, *out.parents):
-            if p.is_symlink() and not p.exists():
-                raise MiniGPTError(f"output directory {out}: {p} is a dangling symbolic link; remove it or choose "
-                                   "another directory")
-            if p.exists():
-                if not p.is_dir():
-                    what = "is" if p == out else f"lies under {p}, which is"
-                    raise MiniGPTError(f"output directory {out} {what} an existing file, not a directory; choose "
-                                       "another directory or remove the file")
-                break
-            self.created = p
-        out.mkdir(parents=True, exist_ok=True)
+        self.created = check_dir_path(self.out, "output directory")
+        self.out.mkdir(parents=True, exist_ok=True)
         return self
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
@@ -346,13 +337,7 @@ class _NewDir:
                 path.unlink(missing_ok=True)
             except OSError:
                 pass
-        for d in (self.out, *self.out.parents):  # rmdir refuses a directory someone else put a file in
-            try:
-                d.rmdir()
-            except OSError:
-                break
-            if d == self.created:
-                break
+        remove_created(self.out, self.created)
 
 
 def _remove_stale_temporaries(out: Path) -> int:
