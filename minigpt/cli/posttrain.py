@@ -96,24 +96,22 @@ def cmd_lora_merge(args: argparse.Namespace) -> int:
     base model and write a plain model directory whose logits equal the base with the adapter applied.
 
     The tokenizer and chat template come from the adapter's folder when it has them (an SFT output's adapter/ sits
-    next to them), else from the base.
+    next to them), else from the base (:func:`~minigpt.checkpoint.adapter.tokenizer_source`, as generate, chat and
+    serve choose them); the model is written without a tokenizer when neither has one. A tokenizer there that
+    cannot be read is an error, not a silent fall-back to the base's, whose vocabulary may lack the adapter's tokens.
     """
-    from pathlib import Path
-
-    from minigpt.checkpoint.adapter import load_merged
+    from minigpt.checkpoint.adapter import load_merged, tokenizer_source
     from minigpt.checkpoint.native import load_chat_template, load_tokenizer, resolve_checkpoint, save_pretrained
-    from minigpt.errors import MiniGPTError
+    from minigpt.tokenizer.tokenizer import TokenizerMissing
 
     base = resolve_checkpoint(args.base)
     model = load_merged(base, args.adapter)
-    tokenizer, template = None, None
-    for where in (Path(args.adapter), Path(args.adapter).parent, base):
-        try:
-            tokenizer = load_tokenizer(where)
-            template = load_chat_template(where)
-            break
-        except MiniGPTError:
-            continue
+    words = tokenizer_source(base, args.adapter)
+    try:
+        tokenizer = load_tokenizer(words)
+    except TokenizerMissing:
+        tokenizer = None
+    template = load_chat_template(words)
     path = save_pretrained(model, args.out_dir, tokenizer, template)
     print(f"wrote {path}")
     return 0

@@ -179,3 +179,18 @@ def test_generate_with_the_adapter_speaks_as_the_sft_output(sft_run, capsys):
     assert main(["generate", str(out), *common]) == 0
     assert with_adapter == capsys.readouterr().out
     assert "<|im_start|>" in with_adapter  # ChatML, not the base's plain "User:" template
+
+
+def test_merge_refuses_an_adapter_tokenizer_it_cannot_read(tmp_path, sft_run):
+    """`lora merge` takes the tokenizer generate/chat/serve would (tokenizer_source): one in the adapter folder
+    that cannot be read is a one-line error and writes nothing, not a silent fall-back to the base's tokenizer,
+    whose vocabulary lacks the tokens the adapter added."""
+    import shutil
+
+    base, out = sft_run
+    adapter = tmp_path / "adapter"
+    shutil.copytree(out / "adapter", adapter)
+    (adapter / "tokenizer.json").write_text("{not json", encoding="utf-8")
+    proc = run_cli("lora", "merge", base, adapter, "--out-dir", tmp_path / "merged")
+    assert_one_line_error(proc, "tokenizer.json")
+    assert not (tmp_path / "merged").exists()
