@@ -5,8 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
-from minigpt.cli.common import add_command
-from minigpt.errors import MiniGPTError
+from minigpt.cli.common import add_command, check_vocab_size_option
 from minigpt.paths import check_dir_path
 
 
@@ -26,12 +25,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     checked before --out-dir is created, and a run that fails removes the directory again if it made it.
     """
     from minigpt.data import prepare as data
-    from minigpt.tokenizer.tokenizer import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE, Tokenizer
+    from minigpt.tokenizer.tokenizer import Tokenizer
 
     check_dir_path(args.out_dir, "--out-dir")
-    if not args.tokenizer and not MIN_VOCAB_SIZE <= args.vocab_size <= MAX_VOCAB_SIZE:
-        raise MiniGPTError(f"--vocab-size must be between {MIN_VOCAB_SIZE} (the 256 byte tokens, 2 special tokens "
-                           f"and 1 merge) and 2**32, got {args.vocab_size}")
+    if not args.tokenizer:
+        check_vocab_size_option(args.vocab_size)
     tok = Tokenizer.from_file(args.tokenizer) if args.tokenizer else None
     sample = (data.DEFAULT_TOKENIZER_SAMPLE_BYTES if args.tokenizer_sample_bytes is None
               else _parse_size(args.tokenizer_sample_bytes, "--tokenizer-sample-bytes"))
@@ -58,6 +56,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
         for f in args.files:
             yield from iter_documents(resolve_source(f))
 
+    check_vocab_size_option(args.vocab_size)
     tok = train_tokenizer(texts(), args.vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
     tok.save(out)

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from minigpt.cli.common import add_command, parse_value, positive_int
+from minigpt.cli.common import add_command, check_vocab_size_option, parse_value, positive_int
 from minigpt.errors import MiniGPTError
 from minigpt.paths import check_dir_path, remove_created
 
@@ -66,12 +66,10 @@ def check_model_options(cfg) -> None:
     """
     from minigpt.data.loader import META_FILE
     from minigpt.model.config import preset
-    from minigpt.tokenizer.tokenizer import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE
 
     prepared = (Path(cfg.data) / META_FILE).is_file() or (Path(cfg.out_dir) / "data" / META_FILE).is_file()
-    if not prepared and not MIN_VOCAB_SIZE <= cfg.vocab_size <= MAX_VOCAB_SIZE:
-        raise MiniGPTError(f"--vocab-size must be between {MIN_VOCAB_SIZE} (the 256 byte tokens, 2 special tokens "
-                           f"and 1 merge) and 2**32, got {cfg.vocab_size}")
+    if not prepared:
+        check_vocab_size_option(cfg.vocab_size)
     try:
         model_cfg = preset(cfg.preset, **{"vocab_size": 4096, **cfg.model})
     except (TypeError, ValueError) as e:

@@ -50,11 +50,9 @@ from minigpt.errors import MiniGPTError
 from minigpt.paths import check_dir_path, remove_created
 from minigpt.tokenizer.tokenizer import (
     HF_FILE,
-    MAX_VOCAB_SIZE,
-    MIN_VOCAB_SIZE,
     SP_FILE,
-    SPECIAL_TOKENS,
     Tokenizer,
+    check_vocab_size,
     train_tokenizer,
 )
 
@@ -161,7 +159,7 @@ def prepare(source: Union[str, Path, Source], out_dir: PathLike, tokenizer: Unio
         raise MiniGPTError(f"the tokenizer sample size must be a whole number of bytes >= 0 (0: the whole train "
                            f"split), got {tokenizer_sample_bytes!r}")
     if vocab_size is not None:
-        _check_vocab_size(vocab_size)
+        check_vocab_size(vocab_size)
     src = resolve_source(source)
     sep = effective_sep(src, doc_sep)
     out = Path(out_dir)
@@ -297,15 +295,6 @@ def _train_on_sample(src: Source, sep: Optional[str], labeled: Callable[[], Iter
                 raise MiniGPTError(_empty_split_message(src, sep, split, val_fraction))
     say(f"trained the tokenizer on {seen['train'] / 1e6:.1f} MB in {time.perf_counter() - t0:.1f} s")
     return tok
-
-
-def _check_vocab_size(vocab_size: Any) -> None:
-    """The check :func:`train_tokenizer` makes, made before anything is written. Raises ``ValueError``."""
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
-        raise ValueError(f"vocab_size must be an int, got {vocab_size!r}")
-    if not MIN_VOCAB_SIZE <= vocab_size <= MAX_VOCAB_SIZE:
-        raise ValueError(f"vocab_size must be between {MIN_VOCAB_SIZE} (256 byte tokens + {len(SPECIAL_TOKENS)} "
-                         f"special tokens + 1 merge) and 2**32, got {vocab_size}")
 
 
 class _NewDir:

@@ -26,7 +26,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence, Union
+from typing import Any, Iterable, List, Optional, Sequence, Union
 
 from minigpt.errors import MiniGPTError, one_line, os_error_from
 from minigpt.tokenizer import roles as roles_mod
@@ -71,6 +71,17 @@ def check_text(text: str) -> None:
                           "surrogates must come in pairs") from None
 
 
+def check_vocab_size(vocab_size: Any, name: str = "vocab_size") -> None:
+    """Refuse a size no tokenizer :func:`train_tokenizer` learns can have: not an int, or outside
+    ``[MIN_VOCAB_SIZE, MAX_VOCAB_SIZE]`` (the 256 byte tokens, the special tokens and one merge; 2**32 ids).
+    ``name`` is how the message calls it (a CLI flag). Raises ``ValueError``."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        raise ValueError(f"{name} must be an int, got {vocab_size!r}")
+    if not MIN_VOCAB_SIZE <= vocab_size <= MAX_VOCAB_SIZE:
+        raise ValueError(f"{name} must be between {MIN_VOCAB_SIZE} (the 256 byte tokens, {len(SPECIAL_TOKENS)} "
+                         f"special tokens and 1 merge) and 2**32, got {vocab_size}")
+
+
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> "Tokenizer":
     """Learn a byte-level BPE tokenizer from ``texts``.
 
@@ -89,13 +100,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> "Tokenizer":
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
-        raise ValueError(f"vocab_size must be an int, got {vocab_size!r}")
-    if not MIN_VOCAB_SIZE <= vocab_size <= MAX_VOCAB_SIZE:
-        raise ValueError(
-            f"vocab_size must be between {MIN_VOCAB_SIZE} (256 byte tokens + {len(SPECIAL_TOKENS)} special tokens "
-            f"+ 1 merge) and 2**32, got {vocab_size}"
-        )
+    check_vocab_size(vocab_size)
     hf = HFTokenizer(models.BPE())
     # add_prefix_space=False: a prefix space would be added on encode but never removed on decode.
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -131,6 +131,8 @@ def test_prepare_with_bad_input_leaves_no_out_dir(files, capsys):
     out = files / "p" / "out"
     assert run("prepare", "--data", "shakespeare", "--vocab-size", 10, "--out-dir", out) == 1
     one_line_error(capsys, "--vocab-size must be between 259")
+    assert run("tokenizer", "train", "shakespeare", "--vocab-size", 10, "--out", out / "tok.json") == 1
+    one_line_error(capsys, "--vocab-size must be between 259")
     assert run("prepare", "--data", files / "pairs_nonutf.jsonl", "--out-dir", out, "--workers", 1) == 1
     one_line_error(capsys, "is not valid UTF-8", "(line 1)")
     assert not (files / "p").exists()
