@@ -13,14 +13,26 @@ import gc
 import os
 import sys
 
-from minigpt.cli import analysis, convert, data, evaluate, generate, posttrain, quick, serve, train
+from minigpt.cli import analysis, bench, convert, data, evaluate, generate, posttrain, quick, serve, train
 from minigpt.errors import MiniGPTError, describe_os_error
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose sub-commands (argparse makes them of their parent's class) refuse an option they
+    do not know with their own usage line (``usage: minigpt bench serve ...``), where argparse would report it
+    from the top-level parser, whose usage lists only the commands."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="minigpt", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="minigpt", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (data, train, posttrain, generate, evaluate, convert, analysis, serve):
+    for module in (data, train, posttrain, generate, evaluate, convert, analysis, bench, serve):
         module.register(sub)
     return parser
 

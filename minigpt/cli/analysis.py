@@ -1,4 +1,4 @@
-"""`minigpt estimate`, `ablate` and `bench`: measurements about models and this machine."""
+"""`minigpt estimate` and `ablate`: measurements about models and this machine (`bench`: :mod:`minigpt.cli.bench`)."""
 from __future__ import annotations
 
 import argparse
@@ -65,32 +65,6 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_serve(args: argparse.Namespace) -> int:
-    """Benchmark `minigpt serve`: aggregate tokens/s of N concurrent streaming clients vs sequential, and TTFT.
-
-    Starts the server on a free loopback port (from CKPT, or a random-init --preset model when none is given) or
-    uses --url. For each --clients level, sends clients x --rounds greedy streaming completions one after another,
-    then from that many concurrent clients, and prints a markdown table (--json: also the numbers as JSON).
-    """
-    import dataclasses
-
-    from minigpt.analysis.bench.serve import bench_serve
-
-    try:
-        clients = tuple(int(c) for c in args.clients.split(","))
-    except ValueError:
-        raise MiniGPTError(f"--clients takes comma-separated integers, got {args.clients!r}") from None
-    if not clients or min(clients) < 1 or args.rounds < 1 or args.max_tokens < 1 or args.repeats < 1:
-        raise MiniGPTError("--clients, --rounds, --max-tokens and --repeats must be positive")
-    levels = bench_serve(args.ckpt, preset=args.preset, url=args.url, clients=clients, rounds=args.rounds,
-                         max_tokens=args.max_tokens, prompt_words=args.prompt_words, api_key=args.api_key,
-                         threads=args.threads, max_batch_size=args.max_batch_size, repeats=args.repeats,
-                         compile=args.compile_batch or int(args.compile))
-    if args.json:
-        print(json.dumps([dataclasses.asdict(level) for level in levels], indent=2))
-    return 0
-
-
 def register(sub) -> None:
     """Add this module's commands to the ``minigpt`` sub-parsers ``sub``."""
     p = add_command(sub, "estimate", cmd_estimate)
@@ -125,25 +99,3 @@ def register(sub) -> None:
     p.add_argument("--force", action="store_true", help="retrain runs that already finished")
     p.add_argument("--report-only", dest="report_only", action="store_true",
                    help="rewrite the report from the last run's measurements (OUT_DIR/ablations-SCALE.json)")
-
-    from minigpt.analysis.bench.infer import add_bench_parser
-
-    bench = add_bench_parser(sub)
-
-    p = add_command(bench, "serve", cmd_bench_serve)  # the `bench` group comes from minigpt.analysis.bench.infer
-    p.add_argument("ckpt", nargs="?", help="model to serve (default: a random-init --preset model)")
-    p.add_argument("--preset", default="small", help="preset of the random-init model (default small)")
-    p.add_argument("--url", help="benchmark a running server instead of starting one")
-    p.add_argument("--api-key", dest="api_key", help="API key of the server at --url")
-    p.add_argument("--clients", default="1,4,16,32", help="concurrency levels (default 1,4,16,32)")
-    p.add_argument("--rounds", type=int, default=2, help="requests per client at each level (default 2)")
-    p.add_argument("--repeats", type=int, default=1, help="measure each level this many times; report medians")
-    p.add_argument("--max-tokens", dest="max_tokens", type=int, default=64, help="new tokens per request")
-    p.add_argument("--prompt-words", dest="prompt_words", type=int, default=24, help="words per prompt")
-    p.add_argument("--max-batch-size", dest="max_batch_size", type=int, default=None,
-                   help="server slots (default: the largest --clients)")
-    p.add_argument("--threads", type=positive_int, help="torch threads of the server it starts")
-    p.add_argument("--compile", action="store_true", help="start the server with --compile")
-    p.add_argument("--compile-batch", dest="compile_batch", type=int, default=None, metavar="N",
-                   help="start the server with --compile-batch N")
-    p.add_argument("--json", action="store_true", help="also print the rows as JSON")

@@ -72,9 +72,8 @@ def check_text(text: str) -> None:
 
 
 def check_vocab_size(vocab_size: Any, name: str = "vocab_size") -> None:
-    """Refuse a size no tokenizer :func:`train_tokenizer` learns can have: not an int, or outside
-    ``[MIN_VOCAB_SIZE, MAX_VOCAB_SIZE]`` (the 256 byte tokens, the special tokens and one merge; 2**32 ids).
-    ``name`` is how the message calls it (a CLI flag). Raises ``ValueError``."""
+    """Refuse a size :func:`train_tokenizer` cannot learn: not an int, or outside ``[MIN_VOCAB_SIZE,
+    MAX_VOCAB_SIZE]``; the message calls it ``name`` (a CLI flag). Raises ``ValueError``."""
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
         raise ValueError(f"{name} must be an int, got {vocab_size!r}")
     if not MIN_VOCAB_SIZE <= vocab_size <= MAX_VOCAB_SIZE:

@@ -152,7 +152,7 @@ def test_bench_bf16_rows_are_also_compared_with_transformers_fp32(tmp_path):
 
 
 def test_bench_table_ratios():
-    from minigpt.analysis.bench.infer import format_table
+    from minigpt.analysis.bench.table import format_table
 
     def m(dtype, impl, value):
         return {"preset": "small", "dtype": dtype, "row": "decode-b1", "impl": impl, "value": value,

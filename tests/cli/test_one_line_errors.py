@@ -1,6 +1,6 @@
 """Failures a user can cause or meet, each reported in one line: a full disk or read-only place while writing, a
-short GGUF write, an unknown compile mode, `bench` options given before `model`, --threads or --max-new-tokens
-below 1, a file where a model directory was expected, an HF config.json with fields of the wrong kind."""
+short GGUF write, an unknown compile mode, `bench` options given before `model` (kept) or before another benchmark
+(refused), an unknown option of a sub-command (its own usage), --threads or --max-new-tokens below 1, a file where a model directory was expected, an HF config.json with fields of the wrong kind."""
 from __future__ import annotations
 
 import errno
@@ -103,8 +103,52 @@ def test_bench_options_before_model_are_kept():
     assert (args.presets, args.repeats, args.transformers) == ("small", 5, True)  # after wins; the rest defaults
 
 
+@pytest.mark.parametrize("before, command", [
+    (["--threads", "4"], ["serve", "--threads", "2"]),  # serve has its own --threads, which would overwrite it
+    (["--json", "out.json", "--repeats", "3"], ["quant", "ckpt", "--data", "d"]),
+    (["--presets", "tiny"], ["speculative", "t", "d", "--data", "d"]),
+])
+def test_bench_model_options_before_another_benchmark_are_refused(before, command, capsys):
+    """Options of the model benchmark given before `serve`/`quant`/`speculative` were dropped without a word."""
+    from minigpt.cli import main
+
+    assert main(["bench", *before, *command]) == 1
+    err = capsys.readouterr().err.strip()
+    flags = ", ".join(b for b in before if b.startswith("--"))
+    assert err == (f"error: {flags} before `{command[0]}` belong to the model benchmark (`minigpt bench`); give the "
+                   f"options of `minigpt bench {command[0]}` after `{command[0]}`")
+
+
+@pytest.mark.parametrize("command, usage", [
+    (["bench", "serve", "--bogus"], "usage: minigpt bench serve"),
+    (["lora", "merge", "b", "a", "--out-dir", "o", "--bogus"], "usage: minigpt lora merge"),
+    (["train", "--bogus"], "usage: minigpt train"),
+    (["--bogus", "train"], "usage: minigpt [-h]"),
+])
+def test_an_unknown_option_shows_the_usage_of_its_command(command, usage, capsys):
+    """argparse reports an option no sub-command knows from the top-level parser, whose usage lists only the
+    commands; the command's own usage says which options there are."""
+    from minigpt.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(command)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(usage) and "error: unrecognized arguments: --bogus" in err
+
+
+def test_the_command_line_is_built_without_importing_torch():
+    """`minigpt --help` and usage errors answer at once: building the parser used to import torch (1.7 s)."""
+    import subprocess
+    import sys
+
+    code = "import sys; from minigpt.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
 @pytest.mark.parametrize("command", [["serve", "m"], ["chat", "m"], ["sft", "--model", "m", "--data", "d"],
-                                     ["train"], ["bench", "serve"]])
+                                     ["train"], ["bench", "serve"], ["bench"], ["bench", "quant", "c", "--data", "d"],
+                                     ["bench", "speculative", "t", "d", "--data", "d"]])
 def test_threads_below_one_is_a_usage_error(command, capsys):
     from minigpt.cli import build_parser
 

@@ -27,18 +27,15 @@ round-robin (A B C A B C ...), after ``--warmup`` untimed runs each, ``--repeats
 with min-max and the ratio to ``transformers``. Shared machines drift; the interleaving keeps the ratios fair.
 
 Output: a markdown table on stdout (``--out FILE`` also writes it) and, with ``--json FILE``, every measurement.
-The ``bench`` command leaves room for sub-commands (``minigpt bench serve``): :func:`add_bench_parser` returns the
-sub-parser group. ``minigpt bench quant`` and ``minigpt bench speculative``: :mod:`minigpt.analysis.bench.reports`.
+The command line (``minigpt bench`` and its ``model``, ``quant``, ``speculative`` and ``serve`` sub-commands) is
+:mod:`minigpt.cli.bench`; ``quant`` and ``speculative`` measure with :mod:`minigpt.analysis.bench.reports`.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import version
 from pathlib import Path
@@ -47,8 +44,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from minigpt.analysis.bench.reports import add_report_parsers
-from minigpt.analysis.bench.table import REFERENCE, REFERENCE_FP32, format_table
+from minigpt.analysis.bench.table import REFERENCE, REFERENCE_FP32, ROWS
 from minigpt.analysis.bench.timing import time_round_robin
 from minigpt.checkpoint.convert import export_hf
 from minigpt.checkpoint.native import (
@@ -72,7 +68,6 @@ from minigpt.runtime import DTYPES as RUNTIME_DTYPES
 from minigpt.runtime import loadavg, machine_info, measure_peak_flops
 from minigpt.train.mixed import autocast, compute_dtype
 
-ROWS = ("decode-b1", "decode-b8", "prefill", "train")
 PRESET_NAMES = ("tiny", "small", "medium")
 DTYPES = {name: RUNTIME_DTYPES[name] for name in ("float32", "bfloat16")}
 
@@ -401,100 +396,3 @@ def _version(pkg: str) -> Optional[str]:
         return version(pkg)
     except Exception:
         return None
-
-
-
-# ----------------------------------------------------------------------------------------------- command
-def _split(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
-    """Add the model benchmark's options to ``p``; returns them."""
-    actions = []
-
-    def add(*names, **kw):
-        actions.append(p.add_argument(*names, **kw))
-
-    add("--presets", default="tiny,small,medium", help="comma-separated: tiny,small,medium")
-    add("--dtypes", default="float32,bfloat16", help="comma-separated: float32,bfloat16")
-    add("--rows", default=",".join(ROWS), help=f"comma-separated: {','.join(ROWS)}")
-    add("--repeats", type=int, default=5, help="timed runs per implementation (median reported)")
-    add("--warmup", type=int, default=1, help="untimed runs first (compilation happens here)")
-    add("--compile", action="store_true", help="add the compiled MiniGPT variant (decode step, training)")
-    add("--compile-mode", dest="compile_mode", default=None,
-        help="torch.compile mode, e.g. max-autotune-no-cudagraphs (default: inductor's default)")
-    add("--quantize", help="add weight-only variants (decode, prefill): int8, int4 or int8,int4")
-    add("--model", metavar="PATH", help="benchmark this model (checkpoint, HF dir, .gguf) instead of "
-        "random --presets")
-    add("--no-transformers", dest="transformers", action="store_false",
-        help="MiniGPT only (also automatic when transformers is not installed)")
-    add("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
-    add("--prompt-len", dest="prompt_len", type=int, default=32)
-    add("--new-tokens", dest="new_tokens", type=int, default=128)
-    add("--prefill-len", dest="prefill_len", type=int, default=512)
-    add("--train-batch", dest="train_batch", type=int, default=8)
-    add("--train-seq", dest="train_seq", type=int, default=256)
-    add("--seed", type=int, default=0)
-    add("--warm-compile-cache", dest="cold_compile", action="store_false",
-        help="reuse Inductor's on-disk cache (compile times then show cache hits, not first use)")
-    add("--json", dest="json_path", metavar="FILE", help="write every measurement as JSON ('-' = stdout)")
-    add("--out", metavar="FILE", help="also write the markdown table here")
-    return actions
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    """Benchmark MiniGPT against transformers on identical weights: decode (batch 1 and 8), prefill, training.
-
-    Everything runs in this process, implementations timed round-robin; medians with min-max and ratios. See the
-    module docstring of minigpt.analysis.bench.infer for the definitions. A full run (3 presets x 2 dtypes x 4 rows) takes long on
-    a small CPU: select with --presets/--dtypes/--rows/--repeats.
-    """
-    try:
-        settings = BenchSettings(
-            presets=_split(args.presets), dtypes=_split(args.dtypes), rows=_split(args.rows), repeats=args.repeats,
-            warmup=args.warmup, compile=args.compile, compile_mode=args.compile_mode, quantize=args.quantize,
-            model=args.model,
-            transformers=args.transformers, threads=args.threads, prompt_len=args.prompt_len,
-            new_tokens=args.new_tokens, prefill_len=args.prefill_len, train_batch=args.train_batch,
-            train_seq=args.train_seq, seed=args.seed, cold_compile=args.cold_compile)
-    except ValueError as e:
-        raise MiniGPTError(str(e)) from None
-    command = "minigpt bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
-    t0 = time.perf_counter()
-    result = run_bench(settings)
-    result["command"] = command
-    result["wall_s"] = time.perf_counter() - t0
-    table = format_table(result)
-    summary = (f"\n{result['machine']['cpu']}, {result['machine']['threads']} threads, torch "
-               f"{result['machine']['torch']}, transformers {result['machine']['transformers']}; load average "
-               f"{result['machine']['load_before']} -> {result['machine']['load_after']}; {result['wall_s']:.0f} s")
-    print(table + "\n" + summary)
-    if args.out:
-        Path(args.out).write_text(table + "\n" + summary + "\n")
-    if args.json_path:
-        text = json.dumps(result, indent=1)
-        if args.json_path == "-":
-            print(text)
-        else:
-            Path(args.json_path).write_text(text + "\n")
-    return 0
-
-
-def add_bench_parser(subparsers) -> argparse._SubParsersAction:
-    """Register ``minigpt bench`` (and its alias ``minigpt bench model``) on the CLI's ``subparsers``; returns the
-    ``bench`` sub-command group so that other benchmarks (``minigpt bench serve``) can add themselves."""
-    doc = cmd_bench.__doc__ or ""
-    p = subparsers.add_parser("bench", help=doc.strip().splitlines()[0], description=doc,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_model_args(p)
-    p.set_defaults(func=cmd_bench)
-    group = p.add_subparsers(dest="bench_command", metavar="{model,quant,speculative,serve}")
-    m = group.add_parser("model", help="the model benchmark (the default)", description=doc,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    for action in _add_model_args(m):  # defaults would overwrite options given before `model` (`bench --x model`)
-        action.default = argparse.SUPPRESS
-    m.set_defaults(func=cmd_bench)
-
-    add_report_parsers(group)
-    return group

@@ -9,13 +9,9 @@
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -107,71 +103,3 @@ def speculative_report(target_ckpt: str, draft_ckpt: str, data: str, k: int = 4,
             "speculative_tokens_per_s": n_spec / t_spec, "speedup": (n_spec / t_spec) / (n_plain / t_plain),
             "acceptance_rate": stats.acceptance_rate, "tokens_per_target_forward": stats.tokens_per_round,
             "identical_outputs": f"{same}/{len(prompts)}"}
-
-
-def cmd_bench_quant(args: argparse.Namespace) -> int:
-    """int8 weight-only quantization of a trained checkpoint: validation perplexity change and decode speed change.
-
-    Perplexity over the whole validation split of --data (non-overlapping windows of --seq-len), float32 vs int8;
-    decode tokens/s at batch 1 (eager fast path, and compiled with --compile), timed round-robin.
-    """
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    r = quant_report(args.ckpt, args.data, args.seq_len, args.max_windows, args.repeats, args.compile,
-                     log=lambda m: print(m, file=sys.stderr, flush=True))
-    print(f"validation perplexity ({r['val_tokens_scored']:,} tokens): float32 {r['ppl_float32']:.4f}, int8 "
-          f"{r['ppl_int8']:.4f} ({100 * r['ppl_relative_change']:+.3f} %)")
-    base = r["decode_b1_tokens_per_s"]["float32"]["median"]
-    for name, v in r["decode_b1_tokens_per_s"].items():
-        print(f"decode b1 {name}: {v['median']:.1f} tok/s [{v['min']:.1f}-{v['max']:.1f}] ({v['median'] / base:.2f}x "
-              f"float32 eager), weights {r['weight_bytes'][name] / 2**20:.1f} MiB"
-              + (f", compile {r['compile_s'][name]:.0f} s" if name in r["compile_s"] else ""))
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(r, indent=1) + "\n")
-    return 0
-
-
-def cmd_bench_speculative(args: argparse.Namespace) -> int:
-    """Speculative decoding: a draft model proposing for a target, against the target alone.
-
-    Prompts are --prompts windows of --prompt-len tokens from the validation split of --data; each generates
-    --new-tokens tokens with and without the draft (--k proposals per round), greedy unless --temperature.
-    Prints tokens/s of both, the speed-up, the acceptance rate and whether greedy outputs are identical.
-    """
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    r = speculative_report(args.target, args.draft, args.data, args.k, args.prompts, args.prompt_len, args.new_tokens,
-                           args.temperature, args.compile, log=lambda m: print(m, file=sys.stderr, flush=True))
-    print(f"target alone {r['plain_tokens_per_s']:.1f} tok/s, speculative (k={r['k']}) "
-          f"{r['speculative_tokens_per_s']:.1f} tok/s: {r['speedup']:.2f}x; acceptance {r['acceptance_rate']:.1%}, "
-          f"{r['tokens_per_target_forward']:.2f} tokens per target forward; identical outputs "
-          f"{r['identical_outputs']}")
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(r, indent=1) + "\n")
-    return 0
-
-
-def add_report_parsers(group) -> None:
-    """Register ``quant`` and ``speculative`` in the ``minigpt bench`` sub-command ``group``."""
-    for name, func in (("quant", cmd_bench_quant), ("speculative", cmd_bench_speculative)):
-        d = func.__doc__ or ""
-        q = group.add_parser(name, help=d.strip().splitlines()[0], description=d,
-                             formatter_class=argparse.RawDescriptionHelpFormatter)
-        q.set_defaults(func=func)
-        if name == "quant":
-            q.add_argument("ckpt", help="a trained checkpoint (run dir or model dir)")
-            q.add_argument("--seq-len", dest="seq_len", type=int, default=256, help="evaluation window (tokens)")
-            q.add_argument("--max-windows", dest="max_windows", type=int, help="cap on windows (default: all)")
-            q.add_argument("--repeats", type=int, default=5)
-        else:
-            q.add_argument("target", help="target checkpoint")
-            q.add_argument("draft", help="draft checkpoint (same tokenizer)")
-            q.add_argument("--k", type=int, default=4, help="draft tokens per round")
-            q.add_argument("--prompts", type=int, default=8)
-            q.add_argument("--prompt-len", dest="prompt_len", type=int, default=32)
-            q.add_argument("--new-tokens", dest="new_tokens", type=int, default=128)
-            q.add_argument("--temperature", type=float, default=0.0)
-        q.add_argument("--data", required=True, help="prepared data directory (its val split is used)")
-        q.add_argument("--compile", action="store_true", help="also / instead run the compiled decode step")
-        q.add_argument("--threads", type=int)
-        q.add_argument("--json", dest="json_path", metavar="FILE")

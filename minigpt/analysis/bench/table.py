@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+ROWS = ("decode-b1", "decode-b8", "prefill", "train")  # the model benchmark's rows, in table order
 REFERENCE = "transformers"
 REFERENCE_FP32 = "transformers-fp32"  # bf16 inference rows: transformers in float32 as well (the targets' baseline)
 
