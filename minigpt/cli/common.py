@@ -26,18 +26,6 @@ def positive_int(text: str) -> int:
     return value
 
 
-def check_vocab_size_option(vocab_size: Any) -> None:
-    """:func:`~minigpt.tokenizer.tokenizer.check_vocab_size` worded with the flag ``--vocab-size`` (prepare,
-    tokenizer train, train). Raises :class:`~minigpt.errors.MiniGPTError`."""
-    from minigpt.errors import MiniGPTError
-    from minigpt.tokenizer.tokenizer import check_vocab_size
-
-    try:
-        check_vocab_size(vocab_size, "--vocab-size")
-    except ValueError as e:
-        raise MiniGPTError(str(e)) from None
-
-
 def parse_value(text: str) -> Any:
     """A ``--set KEY=VALUE`` value as YAML reads it (numbers, booleans, lists; else the string)."""
     import yaml

@@ -5,7 +5,8 @@ import argparse
 import json
 from pathlib import Path
 
-from minigpt.cli.common import add_command, check_vocab_size_option
+from minigpt.cli.common import add_command
+from minigpt.errors import MiniGPTError
 from minigpt.paths import check_dir_path
 
 
@@ -29,7 +30,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     check_dir_path(args.out_dir, "--out-dir")
     if not args.tokenizer:
-        check_vocab_size_option(args.vocab_size)
+        _check_vocab_size(args.vocab_size)
     tok = Tokenizer.from_file(args.tokenizer) if args.tokenizer else None
     sample = (data.DEFAULT_TOKENIZER_SAMPLE_BYTES if args.tokenizer_sample_bytes is None
               else _parse_size(args.tokenizer_sample_bytes, "--tokenizer-sample-bytes"))
@@ -56,7 +57,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
         for f in args.files:
             yield from iter_documents(resolve_source(f))
 
-    check_vocab_size_option(args.vocab_size)
+    _check_vocab_size(args.vocab_size)
     tok = train_tokenizer(texts(), args.vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
     tok.save(out)
@@ -84,6 +85,16 @@ def register(sub) -> None:
     p.add_argument("files", nargs="+", help="text files or bundled corpus names")
     p.add_argument("--vocab-size", dest="vocab_size", type=int, default=4096)
     p.add_argument("--out", default="tokenizer.json")
+
+
+def _check_vocab_size(vocab_size: int) -> None:
+    """:func:`~minigpt.tokenizer.tokenizer.check_vocab_size` worded with the flag. Raises :class:`MiniGPTError`."""
+    from minigpt.tokenizer.tokenizer import check_vocab_size
+
+    try:
+        check_vocab_size(vocab_size, "--vocab-size")
+    except ValueError as e:
+        raise MiniGPTError(str(e)) from None
 
 
 def _parse_size(text, what: str) -> int:

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from minigpt.cli.common import add_command, check_vocab_size_option, parse_value, positive_int
+from minigpt.cli.common import add_command, parse_value, positive_int
 from minigpt.errors import MiniGPTError
 from minigpt.paths import check_dir_path, remove_created
 
@@ -57,27 +57,6 @@ def output_dir(path_text: str, flag: str = "--out-dir") -> Iterator[Path]:
         raise
 
 
-def check_model_options(cfg) -> None:
-    """Fail before any data is prepared when ``cfg``'s preset, model overrides or ``seq_len`` cannot make a model
-    (the vocabulary, still unknown, is a placeholder unless ``model.vocab_size`` is given), or when the data is to
-    be prepared with a ``vocab_size`` no tokenizer can have.
-
-    Raises :class:`MiniGPTError` naming the problem.
-    """
-    from minigpt.data.loader import META_FILE
-    from minigpt.model.config import preset
-
-    prepared = (Path(cfg.data) / META_FILE).is_file() or (Path(cfg.out_dir) / "data" / META_FILE).is_file()
-    if not prepared:
-        check_vocab_size_option(cfg.vocab_size)
-    try:
-        model_cfg = preset(cfg.preset, **{"vocab_size": 4096, **cfg.model})
-    except (TypeError, ValueError) as e:
-        raise MiniGPTError(f"invalid model config: {e}") from None
-    if cfg.seq_len is not None and cfg.seq_len > model_cfg.max_seq_len:
-        raise MiniGPTError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     """Train a model: AdamW, warmup + cosine schedule, evaluation in nats/token, perplexity and bits per byte.
 
@@ -107,7 +86,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = TrainConfig.from_dict(options)
     except (TypeError, ValueError) as e:
         raise MiniGPTError(f"invalid training config: {e}") from None
-    check_model_options(cfg)  # before the data is prepared into --out-dir, which can take long
     with output_dir(cfg.out_dir):
         train(cfg)
     return 0

@@ -23,9 +23,9 @@ import torch
 from minigpt.data import loader
 from minigpt.data import prepare as data_mod
 from minigpt.errors import MiniGPTError
-from minigpt.model.config import preset
+from minigpt.model.config import ModelConfig, preset
 from minigpt.model.transformer import Transformer, lm_loss
-from minigpt.tokenizer.tokenizer import Tokenizer
+from minigpt.tokenizer.tokenizer import Tokenizer, check_vocab_size
 from minigpt.train import distributed as dist_mod
 from minigpt.train.config import TrainerConfig
 from minigpt.train.trainer import Trainer, evaluate
@@ -58,16 +58,38 @@ class TrainConfig(TrainerConfig):
         return {**{k: d[k] for k in first}, **d}
 
 
+def prepared_data(cfg: TrainConfig) -> Optional[Path]:
+    """The prepared data directory ``cfg`` names (``cfg.data`` itself, else ``out_dir/data`` once made), or None
+    while the source still has to be prepared."""
+    for where in (Path(cfg.data), Path(cfg.out_dir) / "data"):
+        if (where / loader.META_FILE).is_file():
+            return where
+    return None
+
+
 def ensure_data(cfg: TrainConfig) -> Path:
     """A prepared data directory: ``cfg.data`` itself, or ``out_dir/data`` prepared from the named source."""
-    given = Path(cfg.data)
-    if (given / loader.META_FILE).is_file():
-        return given
-    data_dir = Path(cfg.out_dir) / "data"
-    if not (data_dir / loader.META_FILE).is_file():
+    data_dir = prepared_data(cfg)
+    if data_dir is None:
+        data_dir = Path(cfg.out_dir) / "data"
         print(f"preparing {cfg.data} into {data_dir} (vocab {cfg.vocab_size})", flush=True)
         data_mod.prepare(cfg.data, data_dir, vocab_size=cfg.vocab_size)
     return data_dir
+
+
+def model_config(cfg: TrainConfig, vocab_size: int) -> tuple[ModelConfig, int]:
+    """``(the model cfg describes over a vocab_size-token vocabulary, the training window seq_len)``.
+
+    Raises :class:`MiniGPTError` for a preset, ``cfg.model`` override or ``seq_len`` that cannot make a model.
+    """
+    try:
+        model_cfg = preset(cfg.preset, **{"vocab_size": vocab_size, **cfg.model})
+    except (TypeError, ValueError) as e:
+        raise MiniGPTError(f"invalid model config: {e}") from None
+    seq_len = cfg.seq_len or model_cfg.max_seq_len
+    if seq_len > model_cfg.max_seq_len:
+        raise MiniGPTError(f"seq_len {seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
+    return model_cfg, seq_len
 
 
 class Pretraining(Trainer):
@@ -76,6 +98,16 @@ class Pretraining(Trainer):
     cfg: TrainConfig
 
     def prepare_data(self) -> None:
+        # Options that cannot make a model fail before the data is prepared, which can take long; the tokenizer's
+        # vocabulary is not known yet (4096 stands in). Every rank checks, so none waits at the barrier for one
+        # that failed.
+        cfg = self.cfg
+        if prepared_data(cfg) is None:
+            try:
+                check_vocab_size(cfg.vocab_size)
+            except ValueError as e:
+                raise MiniGPTError(f"invalid training config: {e}") from None
+        model_config(cfg, cfg.model.get("vocab_size", 4096))
         # Rank 0 prepares; the others wait, then read.
         if self.info.is_main:
             self.data_dir = ensure_data(self.cfg)
@@ -88,14 +120,7 @@ class Pretraining(Trainer):
         self.val_tokens = loader.load_split(self.data_dir, "val")
 
     def build_model(self) -> Transformer:
-        cfg = self.cfg
-        try:
-            self.model_cfg = preset(cfg.preset, **{"vocab_size": self.tokenizer.vocab_size, **cfg.model})
-        except ValueError as e:
-            raise MiniGPTError(f"invalid model config: {e}") from None
-        self.seq_len = cfg.seq_len or self.model_cfg.max_seq_len
-        if self.seq_len > self.model_cfg.max_seq_len:
-            raise MiniGPTError(f"seq_len {self.seq_len} exceeds the model's max_seq_len {self.model_cfg.max_seq_len}")
+        self.model_cfg, self.seq_len = model_config(self.cfg, self.tokenizer.vocab_size)
         return Transformer(self.model_cfg)
 
     def make_batches(self) -> loader.BatchSampler:

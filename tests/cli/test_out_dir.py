@@ -148,7 +148,7 @@ def test_prepare_with_bad_input_leaves_no_out_dir(files, capsys):
     (("--preset", "bogus"), "unknown preset 'bogus'"),
     (("--set", "model.dim=-1"), "ModelConfig.dim"),
     (("--set", "seq_len=100000"), "exceeds the model's max_seq_len"),
-    (("--vocab-size", 10), "--vocab-size must be between 259"),
+    (("--vocab-size", 10), "invalid training config: vocab_size must be between 259"),
 ])
 def test_train_checks_the_model_before_preparing_data(files, capsys, extra, fragment):
     out = files / "run"

@@ -255,6 +255,20 @@ def test_not_enough_disk_space_is_a_clear_error_before_training(tiny_data, tmp_p
 
 
 
+@pytest.mark.parametrize("kw, message", [
+    (dict(model={"dim": -1}), "invalid model config: ModelConfig.dim"),
+    (dict(seq_len=100_000), "seq_len 100000 exceeds the model's max_seq_len"),
+    (dict(vocab_size=10), "invalid training config: vocab_size must be between 259"),
+])
+def test_options_that_cannot_make_a_model_fail_before_the_data_is_prepared(tmp_path, kw, message):
+    """train() (not only the CLI) refuses them before it tokenizes a raw corpus into out_dir/data."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat. " * 400)
+    with pytest.raises(MiniGPTError, match=message):
+        train(train_config(corpus, tmp_path / "run", **kw))
+    assert not (tmp_path / "run" / "data").exists()
+
+
 RECIPES = Path(__file__).resolve().parents[2] / "minigpt" / "recipes"
 
 
