@@ -68,13 +68,9 @@ def count_parameters(config: ModelConfig) -> dict[str, int]:
     ab = c.has_attention_bias
     attention = (_linear(c.dim, c.n_heads * c.head_dim, ab) + 2 * _linear(c.dim, c.n_kv_heads * c.head_dim, ab)
                  + _linear(c.n_heads * c.head_dim, c.dim, ab)) * c.n_layers
-    ffn = 0
-    for layer in range(c.n_layers):
-        if c.is_moe_layer(layer):
-            ffn += c.dim * c.n_experts + c.n_experts * _ffn(c, c.moe_hidden_dim)
-            ffn += _ffn(c, c.n_shared_experts * c.moe_hidden_dim) if c.n_shared_experts else 0
-        else:
-            ffn += _ffn(c, c.hidden_dim)
+    moe = c.dim * c.n_experts + c.n_experts * _ffn(c, c.moe_hidden_dim)
+    moe += _ffn(c, c.n_shared_experts * c.moe_hidden_dim) if c.n_shared_experts else 0
+    ffn = c.n_moe_layers * moe + (c.n_layers - c.n_moe_layers) * _ffn(c, c.hidden_dim)
     norms = 2 * c.n_layers * _norm(c) + (_norm(c) if c.norm_position == "pre" else 0)
     norms += 2 * c.n_layers * c.head_dim if c.qk_norm else 0  # q_norm and k_norm gains
     embedding = c.vocab_size * c.dim + (c.max_seq_len * c.dim if c.pos_encoding == "learned" else 0)
@@ -154,9 +150,15 @@ def activation_bytes(config: ModelConfig, batch: int, seq_len: int, element_byte
     ``checkpointing`` each block keeps only its input (``dim`` elements per token) and the largest block's
     activations exist once, while it is recomputed."""
     c = config
-    per_layer = [layer_activations(c, i, seq_len, element_bytes) for i in range(c.n_layers)]
+    # Two kinds of block, dense and MoE (every moe_every-th): one of each stands for all (layer 0 is dense unless
+    # every layer is MoE), so the cost does not grow with n_layers.
+    kinds = {c.moe_every - 1: c.n_moe_layers} if c.n_moe_layers else {}
+    if c.n_layers > c.n_moe_layers:
+        kinds[0] = c.n_layers - c.n_moe_layers
+    per_kind = {layer: layer_activations(c, layer, seq_len, element_bytes) for layer in kinds}
     top = (3 if c.norm_position == "pre" else 1) * c.dim * element_bytes + 4.0 * c.vocab_size
-    blocks = (c.n_layers * c.dim * element_bytes + max(per_layer)) if checkpointing else sum(per_layer)
+    blocks = ((c.n_layers * c.dim * element_bytes + max(per_kind.values())) if checkpointing
+              else sum(n * per_kind[layer] for layer, n in kinds.items()))
     per_step = 0.0
     if c.pos_encoding == "alibi" and c.attention_impl == "sdpa":
         # SDPA keeps the additive float mask that carries the ALiBi bias: [1, n_heads, seq_len, seq_len] per layer.

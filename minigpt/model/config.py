@@ -218,7 +218,7 @@ class ModelConfig:
 
     @property
     def n_moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+        return self.n_layers // self.moe_every if self.n_experts > 0 else 0  # layers moe_every-1, 2*moe_every-1, ...
 
     @property
     def has_attention_bias(self) -> bool:

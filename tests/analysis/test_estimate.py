@@ -136,6 +136,23 @@ def test_activation_estimate_matches_what_autograd_keeps(kw):
     assert activation_bytes(cfg, 4, 128) == pytest.approx(measured, rel=0.10)
 
 
+@pytest.mark.parametrize("n_layers, moe_every, n_experts", [(7, 3, 4), (6, 1, 4), (5, 5, 4), (5, 2, 0), (1, 1, 2)])
+def test_layer_sums_stand_one_block_of_each_kind_for_all(n_layers, moe_every, n_experts):
+    """The estimate adds one dense and one MoE block per kind (so `estimate --set n_layers=100000000` answers
+    at once, where it took minutes): equal to summing every layer, with and without checkpointing."""
+    from minigpt.analysis.estimate import layer_activations
+
+    cfg = ModelConfig(vocab_size=101, dim=48, n_layers=n_layers, n_heads=4, n_kv_heads=2, max_seq_len=40,
+                      n_experts=n_experts, moe_every=moe_every, n_experts_per_token=min(2, n_experts or 2))
+    assert cfg.n_moe_layers == sum(cfg.is_moe_layer(i) for i in range(n_layers))
+    each = [layer_activations(cfg, i, 32, 4) for i in range(n_layers)]
+    top = 3 * cfg.dim * 4 + 4.0 * cfg.vocab_size
+    assert activation_bytes(cfg, 2, 32) == pytest.approx(2 * 32 * (sum(each) + top), rel=1e-12)
+    kept = n_layers * cfg.dim * 4 + max(each)
+    assert activation_bytes(cfg, 2, 32, checkpointing=True) == pytest.approx(2 * 32 * (kept + top), rel=1e-12)
+    assert count_parameters(cfg)["total"] == sum(p.numel() for p in built(cfg).parameters())
+
+
 def test_training_memory_accounting():
     cfg = preset("tiny")
     n = count_parameters(cfg)["total"]
