@@ -22,7 +22,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     The input is streamed with bounded memory whatever its size, and tokenized in --workers processes (the output
     is byte-identical for any number). Progress goes to stderr (a bar on a terminal, else a line every 15 s), then
     one line with the throughput in MB/s of input text; stdout gets the meta.json contents. An interrupted run can
-    simply be re-run: the token files are renamed into place only when complete. Options and the source are
+    simply be re-run, and one that fails leaves a directory prepared before as it was: the new tokenizer and token
+    files are renamed into place only when every split is complete. Options and the source are
     checked before --out-dir is created, and a run that fails removes the directory again if it made it.
     """
     from minigpt.data import prepare as data

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Union
@@ -69,6 +71,7 @@ __all__ = ["DEFAULT_TOKENIZER_SAMPLE_BYTES", "default_workers", "prepare"]
 #: plenty to rank the frequent pairs that become the merges of a vocabulary of a few tens of thousands of tokens.
 DEFAULT_TOKENIZER_SAMPLE_BYTES = 200_000_000
 
+STAGING_PREFIX = ".tokenizer.tmp-"  # the folder the new tokenizer waits in until the token files are complete
 _PROGRESS_INTERVAL_S = 15.0  # plain progress lines (stderr not a terminal) at most this often
 
 
@@ -187,12 +190,10 @@ def prepare(source: Union[str, Path, Source], out_dir: PathLike, tokenizer: Unio
                                "documents; train one with vocab_size instead")
         dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
 
-        (out / META_FILE).unlink(missing_ok=True)
-        tok_path = tok.save(out)  # also what the worker processes load
-        for stale in (HF_FILE, SP_FILE):  # Tokenizer.from_dir prefers tokenizer.json: never leave an old one behind
-            if stale != tok_path.name:
-                (out / stale).unlink(missing_ok=True)
-
+        # The new tokenizer waits in a staging folder and the token files in temporaries until every split is
+        # written: a run that fails leaves a directory prepared before exactly as it was.
+        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out))
+        tok_path = tok.save(staging)  # also what the worker processes load
         sha256 = tok.sha256  # (cached) hashing a large vocabulary's JSON peaks at a few MB: not on top of the pass
         tokenize_start = time.perf_counter()
         writers: Dict[str, SplitWriter] = {}
@@ -210,13 +211,19 @@ def prepare(source: Union[str, Path, Source], out_dir: PathLike, tokenizer: Unio
             for split in SPLITS:
                 if writers[split].documents == 0:
                     raise MiniGPTError(_empty_split_message(src, sep, split, val_fraction))
+            (out / META_FILE).unlink(missing_ok=True)  # first: meta.json marks the directory prepared
             for w in writers.values():
                 w.commit()
+            tok_path = tok_path.replace(out / tok_path.name)
+            for stale in (HF_FILE, SP_FILE):  # Tokenizer.from_dir prefers tokenizer.json: never leave an old one
+                if stale != tok_path.name:
+                    (out / stale).unlink(missing_ok=True)
         finally:
             pipe.shutdown()
             bar.close()
             for w in writers.values():
                 w.discard()
+            shutil.rmtree(staging, ignore_errors=True)
         tokenize_s = time.perf_counter() - tokenize_start
 
         meta: Dict[str, Any] = {
@@ -340,6 +347,9 @@ def _remove_stale_temporaries(out: Path) -> int:
         for path in out.glob(pattern):
             path.unlink(missing_ok=True)
             removed += 1
+    for path in out.glob(f"{STAGING_PREFIX}*"):
+        shutil.rmtree(path, ignore_errors=True)
+        removed += 1
     return removed
 
 

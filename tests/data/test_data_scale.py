@@ -163,12 +163,30 @@ def test_exception_midway_leaves_nothing_and_rerun_matches(tmp_path, small_tok, 
     monkeypatch.setattr(pipeline, "_tokenize_job", failing_job)
     with pytest.raises(KeyboardInterrupt):
         prepare(corpus, out, tokenizer=small_tok, workers=1)
-    assert not leftovers(out) and not (out / "meta.json").exists()  # no meta: the old .bin files are not trusted
-    with pytest.raises(MiniGPTError, match="minigpt prepare"):
-        load_split(out, "train")
+    # nothing replaced until every split was written: the previous run's files, tokenizer and meta.json stand
+    assert not leftovers(out) and outputs(out) == outputs(reference)
+    assert len(load_split(out, "train")) == len(load_split(reference, "train"))
     monkeypatch.setattr(pipeline, "_tokenize_job", job)
     prepare(corpus, out, tokenizer=small_tok, workers=1)
     assert outputs(out) == outputs(reference)
+
+
+def test_a_failed_prepare_over_a_prepared_directory_changes_nothing(tmp_path, small_tok, monkeypatch):
+    """Re-preparing over a good directory with a newly trained tokenizer, failing once the tokenizer is trained
+    (a worker error while tokenizing), keeps the old tokenizer, token files and meta.json, which still agree."""
+    corpus = tmp_path / "c.txt"
+    write_corpus(corpus, 100_000)
+    out = tmp_path / "out"
+    prepare(corpus, out, tokenizer=small_tok, workers=1)
+    before = outputs(out)
+
+    def failing_job(*args):
+        raise OSError("worker died")
+
+    monkeypatch.setattr(pipeline, "_tokenize_job", failing_job)
+    with pytest.raises(OSError, match="worker died"):
+        prepare(corpus, out, vocab_size=300, workers=1)
+    assert outputs(out) == before and not leftovers(out)
 
 
 def test_leftover_temporaries_are_removed(tmp_path, small_tok):
@@ -176,11 +194,14 @@ def test_leftover_temporaries_are_removed(tmp_path, small_tok):
     out.mkdir()
     for name in ("train.bin.tmp99999", "val.bin.tmp99999", "meta.json.tmp", "tokenizer.json.tmp"):
         (out / name).write_bytes(b"\x00partial")
+    (out / ".tokenizer.tmp-abc123").mkdir()  # a killed run's staged tokenizer
+    (out / ".tokenizer.tmp-abc123" / "tokenizer.json").write_text("{}")
     (out / "meta.json").write_text('{"stale": true}')
     logs = []
     prepare("shakespeare", out, tokenizer=small_tok, log=logs.append)
     assert not leftovers(out) and "stale" not in (out / "meta.json").read_text()
-    assert any("removed 4 temporary file" in line for line in logs)
+    assert not list(out.glob(".tokenizer.tmp-*"))
+    assert any("removed 5 temporary file" in line for line in logs)
 
 
 def test_concurrent_prepare_into_one_directory_is_refused(tmp_path, small_tok):
