@@ -189,7 +189,8 @@ def register(sub) -> None:
 
     p = add_command(sub, "chat", cmd_chat)
     p.add_argument("ckpt", help="run dir, checkpoint dir, HF model dir, .gguf or llama2.c .bin")
-    p.add_argument("--max-tokens", dest="max_tokens", type=int, default=256, help="longest answer in tokens")
+    p.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=256,
+                   help="longest answer in tokens (--max-new-tokens: generate's name for it)")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", dest="top_k", type=int, default=None)
     p.add_argument("--top-p", dest="top_p", type=float, default=None)

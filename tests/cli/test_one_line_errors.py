@@ -158,6 +158,14 @@ def test_threads_below_one_is_a_usage_error(command, capsys):
     assert build_parser().parse_args([*command, "--threads", "2"]).threads == 2
 
 
+def test_chat_takes_generates_name_for_the_answer_length():
+    """`minigpt chat M --max-new-tokens 8` (generate's flag) was a usage error; it is chat's --max-tokens."""
+    from minigpt.cli import build_parser
+
+    assert build_parser().parse_args(["chat", "m", "--max-new-tokens", "8"]).max_tokens == 8
+    assert build_parser().parse_args(["chat", "m", "--max-tokens", "9"]).max_tokens == 9
+
+
 @pytest.mark.parametrize("n", [0, -5])
 def test_max_new_tokens_below_one_is_one_message_naming_the_flag(n, capsys):
     from minigpt.cli import main
