@@ -41,6 +41,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
             reference = json.loads(Path(args.reference).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise MiniGPTError(f"cannot read --reference {args.reference}: {e}") from None
+        results = reference.get("results") if isinstance(reference, dict) else None
+        # The report reads it only after the evaluation: a wrong shape ended that in a traceback.
+        if not isinstance(results, dict) or not all(isinstance(v, dict) for v in results.values()):
+            raise MiniGPTError(f"--reference {args.reference} is not a results JSON: it needs a \"results\" object "
+                               "of one object per task, as --output writes")
     out = evaluate_source(args.model, tasks, device=args.device, dtype=args.dtype, fast=not args.no_fast,
                           bos=args.bos, num_fewshot=args.num_fewshot, limit=args.limit, batch_size=args.batch_size,
                           data_dir=args.data_dir, reuse_prefix=not args.no_reuse, samples=args.samples,

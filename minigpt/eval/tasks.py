@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Optional, Union
 
 from minigpt.errors import MiniGPTError, one_line
+from minigpt.tokenizer.tokenizer import InvalidText, check_text
 
 MULTIPLE_CHOICE = "multiple_choice"
 LOGLIKELIHOOD = "loglikelihood"
@@ -83,9 +84,20 @@ def _text(record: dict, key: str) -> str:
     return value
 
 
+def _answer(record: dict, key: str) -> str:
+    """A field that is scored as an answer: acc_norm divides its log-likelihood by its length, so it must not be
+    empty."""
+    value = _text(record, key)
+    if not value:
+        raise ValueError(f"field {key!r} is empty; an answer needs at least one character")
+    return value
+
+
 def _strings(values, what: str) -> tuple[str, ...]:
     if not isinstance(values, list) or len(values) < 2 or not all(isinstance(v, str) for v in values):
         raise ValueError(f"{what} must be a list of at least 2 strings")
+    if not all(values):  # scored as answers (acc_norm divides by their length)
+        raise ValueError(f"{what} holds an empty string; every choice needs at least one character")
     return tuple(values)
 
 
@@ -142,7 +154,7 @@ def parse_hellaswag(record: dict) -> tuple:
 def parse_piqa(record: dict) -> tuple:
     """PIQA, ``lm_eval/tasks/piqa/piqa.yaml``: ``"Question: {goal}\\nAnswer:"``, choices ``[sol1, sol2]``, gold
     ``label``."""
-    choices = (_text(record, "sol1"), _text(record, "sol2"))
+    choices = (_answer(record, "sol1"), _answer(record, "sol2"))
     return f"Question: {_text(record, 'goal')}\nAnswer:", choices, _index(record["label"], 2, "label")
 
 
@@ -154,19 +166,22 @@ def parse_winogrande(record: dict) -> tuple:
     if "_" not in sentence:
         raise ValueError("field 'sentence' has no blank '_'")
     blank = sentence.index("_")
-    contexts = (sentence[:blank] + _text(record, "option1"), sentence[:blank] + _text(record, "option2"))
+    contexts = (sentence[:blank] + _answer(record, "option1"), sentence[:blank] + _answer(record, "option2"))
     answer = _text(record, "answer")
     if answer not in ("1", "2"):
         raise ValueError(f"answer must be \"1\" or \"2\", got {answer!r}")
-    return int(answer) - 1, contexts, sentence[blank + 1:].strip()
+    rest = sentence[blank + 1:].strip()
+    if not rest:  # nothing to score: every option would get log-likelihood 0 and the first would always win
+        raise ValueError("field 'sentence' has nothing after its blank '_' to score")
+    return int(answer) - 1, contexts, rest
 
 
 def parse_lambada(record: dict) -> tuple:
     """LAMBADA (OpenAI's version), ``lm_eval/tasks/lambada/lambada_openai.yaml``: the passage up to its last
     space-separated word is the context, ``" " + last word`` the target (scored: log-likelihood, greedy match)."""
     words = _text(record, "text").split(" ")
-    if len(words) < 2:
-        raise ValueError("field 'text' has no space: there is no last word to predict")
+    if len(words) < 2 or not words[-1]:
+        raise ValueError("field 'text' does not end in a word after a space: there is no last word to predict")
     return " ".join(words[:-1]), None, " " + words[-1]
 
 
@@ -297,6 +312,10 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise MiniGPTError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+        except RecursionError:
+            raise MiniGPTError(f"{path}:{number}: JSON nested too deeply to read") from None
+        except ValueError as e:  # an integer of more digits than Python converts
+            raise MiniGPTError(f"{path}:{number}: not usable JSON ({one_line(e)})") from None
         if not isinstance(record, dict):
             raise MiniGPTError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
         records.append((number, record))
@@ -322,6 +341,14 @@ def load_items(task: Task, path: Path, cache: Optional[dict] = None) -> list[Ite
                 raise MiniGPTError(f"{path}:{number}: missing field {e} for task {task.name}") from None
             except (ValueError, TypeError, AttributeError) as e:
                 raise MiniGPTError(f"{path}:{number}: {one_line(e)} (task {task.name})") from None
+            # A JSON escape such as \ud800 reads as a lone surrogate, which no tokenizer can encode: caught here,
+            # where the file and line are known, rather than when the prompt is encoded.
+            for value in (text, target, *(choices or ())):
+                if isinstance(value, str):
+                    try:
+                        check_text(value)
+                    except InvalidText as e:
+                        raise MiniGPTError(f"{path}:{number}: {one_line(e)} (task {task.name})") from None
             items.append(Item(text, choices, target, record, number, str(path)))
         if cache is not None:
             cache[key] = items

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from minigpt.checkpoint.adapter import load_merged, read_adapter
-from minigpt.errors import MiniGPTError
+from minigpt.errors import MiniGPTError, shown_json
 from minigpt.infer.engine import Engine
 from minigpt.infer.fastpath import FastPath
 from minigpt.runtime import DTYPES, pick_device, run_in_thread
@@ -26,7 +26,8 @@ def load_engine(ckpt: Path, tokenizer: Tokenizer, adapter: Optional[str] = None,
     AOTInductor package on a CPU), compiled or loaded here for batch sizes 1, 2, 4, ... up to it
     (:meth:`Engine.warm_up`; ignored with ``adapters``, which the compiled step does not apply). ``engine_kw``
     go to :class:`Engine`. Raises :class:`MiniGPTError` for an unreadable model or adapter, an adapter made for another
-    base, or a tokenizer larger than the model's vocabulary.
+    base, an adapter name that is blank or holds control characters, or a tokenizer larger than the model's
+    vocabulary.
 
     Built in a thread that ends (:func:`~minigpt.runtime.run_in_thread`), so that the engine's worker is the
     process's one OpenMP team."""
@@ -40,6 +41,11 @@ def _build_engine(ckpt: Path, tokenizer: Tokenizer, adapter: Optional[str], adap
         raise MiniGPTError("--adapter DIR (merged) and --adapter NAME=DIR (served by name) do not mix; name them all")
     if base_name in (adapters or {}):
         raise MiniGPTError(f"adapter name '{base_name}' is the base model's name; choose another")
+    for name in adapters or {}:
+        # A newline or other control character would split the start-up and log lines that name the adapters, and
+        # a blank name cannot be told apart from another in /v1/models.
+        if not name.strip() or not name.isprintable():
+            raise MiniGPTError(f"adapter name {name!r} must be printable text, not blank; choose another")
     model = load_merged(ckpt, adapter, device=pick_device(device), dtype=DTYPES[dtype])
     if tokenizer.vocab_size > model.config.vocab_size:
         raise MiniGPTError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
@@ -82,7 +88,9 @@ def resolve_model(model: Any, base_name: str, adapter_names: list[str]) -> Optio
     if model in adapter_names:
         return model
     served = ", ".join(f"'{n}'" for n in [base_name, *adapter_names])
-    raise bad_request(f"the model '{model}' does not exist; this server serves {served}", "model", "model_not_found")
+    # Quoted cut short: the error echoes what the client sent, which may be megabytes.
+    raise bad_request(f"the model {shown_json(model)} does not exist; this server serves {served}", "model",
+                      "model_not_found")
 
 
 def model_list(base_name: str, adapter_names: list[str], created: int) -> dict[str, Any]:

@@ -138,6 +138,7 @@ def _environment():
     from jinja2 import nodes
     from jinja2.exceptions import SecurityError
     from jinja2.ext import Extension, loopcontrols
+    from jinja2.runtime import LoopContext
     from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
     class GenerationMarks(Extension):
@@ -163,11 +164,26 @@ def _environment():
         return datetime.now().strftime(format)
 
     class Sandbox(ImmutableSandboxedEnvironment):
-        """Jinja's sandbox bounds one ``range`` (100,000 items) but not nested ones, nor ``'a' * n``: a hostile
-        template hung the process or took gigabytes. Here a render may draw :data:`RANGE_BUDGET` items from
-        ranges in all and repeat a string or list to :data:`REPEAT_LIMIT` items at most."""
+        """Jinja's sandbox bounds one ``range`` (100,000 items) but not nested ones, nor ``'a' * n``, nor loops
+        over other long values: a hostile template hung the process or took gigabytes. Here a render may draw
+        :data:`RANGE_BUDGET` items from ranges in all, repeat a string or list to :data:`REPEAT_LIMIT` items at
+        most, and run :data:`LOOP_BUDGET` iterations of ``for`` loops in all (nested loops over a long string
+        hung the process for hours)."""
 
         intercepted_binops = frozenset(["*"])
+
+        def _parse(self, source, name, filename):
+            # Every for loop iterates through the counting filter, whatever it loops over.
+            tree = super()._parse(source, name, filename)
+            for loop in tree.find_all(nodes.For):
+                loop.iter = nodes.Filter(loop.iter, "minigpt_counted", [], [], None, None, lineno=loop.lineno)
+            return tree
+
+        def call(__self, __context, __obj, *args, **kwargs):
+            # loop(children) in a recursive for loop iterates anew, past the filter put around the loop's own iter.
+            if isinstance(__obj, LoopContext) and args:
+                args = (counted(args[0]), *args[1:])
+            return super().call(__context, __obj, *args, **kwargs)
 
         def call_binop(self, context, operator, left, right):
             if operator == "*":
@@ -186,7 +202,18 @@ def _environment():
             left[0] -= len(items)
         return items
 
+    def counted(iterable):
+        left = _LOOPS_LEFT.get()
+        for item in iterable:
+            if left is not None:
+                left[0] -= 1
+                if left[0] < 0:
+                    raise SecurityError(f"the template runs more than {LOOP_BUDGET:,} loop iterations in one render "
+                                        "(a loop that would not end?)")
+            yield item
+
     env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationMarks, loopcontrols])
+    env.filters["minigpt_counted"] = counted
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -194,13 +221,18 @@ def _environment():
     return env
 
 
-# Bounds on one render of a chat template (see _environment): items drawn from range() in all, and the length of
-# a string or list repeated with `*`. Real templates use a few ranges over the messages.
+# Bounds on one render of a chat template (see _environment): items drawn from range() in all, the length of a
+# string or list repeated with `*`, and for-loop iterations in all. Real templates use a few ranges and loops over
+# the messages and tools.
 RANGE_BUDGET = 1_000_000
 REPEAT_LIMIT = 1_000_000
+LOOP_BUDGET = 1_000_000
 # The items a render in progress may still draw from range(), as a one-item list (None outside a render).
 _RANGE_LEFT: contextvars.ContextVar[Optional[list[int]]] = contextvars.ContextVar("chat_template_range",
                                                                                    default=None)
+# Likewise the iterations of for loops a render in progress may still run.
+_LOOPS_LEFT: contextvars.ContextVar[Optional[list[int]]] = contextvars.ContextVar("chat_template_loops",
+                                                                                  default=None)
 
 
 def tokenizers_backend(tokenizer: Tokenizer):
@@ -262,7 +294,7 @@ class ChatTemplate:
     when it rejects the messages (its ``raise_exception``, a Jinja error) or they are not valid UTF-8,
     :class:`TemplateFailed` (a :class:`TemplateRejected`) when rendering raises anything else (``{{ 1/0 }}``), and
     :class:`MiniGPTError` when (without generation blocks) it is not prefix-stable. A template that loops for long
-    (nested ``range(99999)``) is not stopped, as in ``transformers``.
+    is stopped (a :class:`TemplateFailed`) at the bounds of a render (:data:`LOOP_BUDGET`, :data:`RANGE_BUDGET`).
     """
 
     def __init__(self, tokenizer: Tokenizer, template: Optional[str] = None, stop: Sequence[str] = ()) -> None:
@@ -331,8 +363,13 @@ class ChatTemplate:
 
     def prompt(self, messages: list[dict[str, Any]], tools: Optional[list[dict]] = None) -> list[int]:
         """Token ids that ask the model for the next assistant turn: ``encode(messages, add_generation_prompt=True)``
-        (the template writes any BOS itself, as ``apply_chat_template`` relies on); ``tools`` as in :meth:`render`."""
-        return self.encode(messages, add_generation_prompt=True, tools=tools)
+        (the template writes any BOS itself, as ``apply_chat_template`` relies on); ``tools`` as in :meth:`render`.
+        Raises :class:`TemplateFailed` when the template renders no token at all for ``messages``."""
+        ids = self.encode(messages, add_generation_prompt=True, tools=tools)
+        if not ids:  # else reported downstream as an empty prompt, or a message of 0 tokens: the user's fault
+            raise TemplateFailed(f"the chat template{self._of} renders nothing for these messages, so there is no "
+                                 "prompt to answer; fix the template")
+        return ids
 
     def _token_text(self, i: Optional[int]) -> str:
         return self.tokenizer.decode([i]) if i is not None else ""
@@ -354,7 +391,7 @@ class ChatTemplate:
         # transformers' get_chat_template: the tool_use template when tools are given and the model has one.
         use_tools = tools is not None and self._tool_template is not None
         template, which = (self._tool_template, " 'tool_use'") if use_tools else (self._template, "")
-        budget = _RANGE_LEFT.set([RANGE_BUDGET])
+        budget, loops = _RANGE_LEFT.set([RANGE_BUDGET]), _LOOPS_LEFT.set([LOOP_BUDGET])
         try:
             # tools and documents are always defined (None when absent), as apply_chat_template renders them.
             return template.render(messages=messages, tools=tools, documents=None,
@@ -368,6 +405,7 @@ class ChatTemplate:
                                  f"{one_line(e)}") from None
         finally:
             _RANGE_LEFT.reset(budget)
+            _LOOPS_LEFT.reset(loops)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
                tools: Optional[list[dict]] = None) -> str:
