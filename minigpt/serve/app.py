@@ -6,8 +6,8 @@ Chat Completions endpoints):
 
 * ``POST /v1/completions``, ``POST /v1/chat/completions``: JSON answers, or Server-Sent Events with
   ``"stream": true`` (one ``data: {chunk}`` per piece of text, ending with ``data: [DONE]``);
-* ``GET /v1/models``; ``GET /health``; ``GET /metrics`` (Prometheus text format); ``GET /`` (the chat page);
-  ``GET /openapi.json`` (:mod:`minigpt.serve.openapi`).
+* ``GET /v1/models``, ``/v1/models/{model}``, ``/health``, ``/metrics`` (Prometheus text format), ``/`` (the chat
+  page), ``/openapi.json`` (:mod:`minigpt.serve.openapi`).
 
 Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with these statuses: 400 invalid
 request (malformed JSON, wrong type or range, unknown or unsupported field, unknown model, prompt or ``max_tokens``
@@ -50,7 +50,7 @@ from minigpt.infer.metrics import CONTENT_TYPE
 from minigpt.infer.request import EngineClosed, Event, QueueFull
 from minigpt.infer.sampling import InvalidRequest, SamplingParams
 from minigpt.serve.chat import encode_prompt, prompt_bos
-from minigpt.serve.models import describe_engine, load_engine, model_list, resolve_model
+from minigpt.serve.models import describe_engine, load_engine, model_card, model_list, resolve_model
 from minigpt.serve.openapi import openapi_document
 from minigpt.serve.responses import Choice, Shaper, TokenText, combined_usage, error_for
 from minigpt.serve.schemas import (
@@ -409,9 +409,11 @@ def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: boo
         return await respond(request, True, [await prepare(request, state.prepare_chat)])
 
     @app.get("/v1/models")
+    @app.get("/v1/models/{model_id:path}")  # :path: a name may hold "/" (org/model)
     async def models(request: Request):
         state.check_auth(request)
-        return model_list(state.model_name, engine.adapter_names, state.created)
+        model_id, served = request.path_params.get("model_id"), (state.model_name, engine.adapter_names, state.created)
+        return model_list(*served) if model_id is None else model_card(model_id, *served)
 
     @app.get("/health")
     async def health():

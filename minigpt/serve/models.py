@@ -12,7 +12,7 @@ from minigpt.errors import MiniGPTError, shown_json
 from minigpt.infer.engine import Engine
 from minigpt.infer.fastpath import FastPath
 from minigpt.runtime import DTYPES, pick_device, run_in_thread
-from minigpt.serve.schemas import bad_request
+from minigpt.serve.schemas import ApiError, bad_request
 from minigpt.tokenizer.tokenizer import Tokenizer
 
 
@@ -100,3 +100,15 @@ def model_list(base_name: str, adapter_names: list[str], created: int) -> dict[s
     cards += [{"id": name, "object": "model", "created": created, "owned_by": "minigpt", "parent": base_name}
               for name in adapter_names]
     return {"object": "list", "data": cards}
+
+
+def model_card(model_id: str, base_name: str, adapter_names: list[str], created: int) -> dict[str, Any]:
+    """The body of ``GET /v1/models/{model}`` (OpenAI's retrieve-model): the object :func:`model_list` lists under
+    that ``id``. Raises :class:`~minigpt.serve.schemas.ApiError` 404 (``model_not_found``, as OpenAI answers) for
+    a name this server does not serve."""
+    for card in model_list(base_name, adapter_names, created)["data"]:
+        if card["id"] == model_id:
+            return card
+    served = ", ".join(f"'{n}'" for n in [base_name, *adapter_names])
+    raise ApiError(404, f"the model {shown_json(model_id)} does not exist; this server serves {served}",
+                   "invalid_request_error", "model", "model_not_found")

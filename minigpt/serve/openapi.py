@@ -201,11 +201,12 @@ def _schemas(context: int) -> dict[str, Any]:
             "properties": {"role": {"const": "assistant"}, "content": {"type": "string"},
                            "tool_calls": {"type": "array", "items": {**call, "required": ["index", *call["required"]],
                                           "properties": {"index": {"type": "integer"}, **call["properties"]}}}}}}),
+        "Model": {"type": "object", "required": ["id", "object", "created", "owned_by"],
+                  "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                                 "created": {"type": "integer"}, "owned_by": {"type": "string"},
+                                 "parent": {"type": "string"}}},
         "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
-            "object": {"const": "list"}, "data": {"type": "array", "items": {
-                "type": "object", "required": ["id", "object", "created", "owned_by"],
-                "properties": {"id": {"type": "string"}, "object": {"const": "model"},
-                               "created": {"type": "integer"}, "owned_by": {"type": "string"}}}}}},
+            "object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}},
         "Health": {"type": "object", "required": ["status"], "properties": {"status": {"enum": ["ok", "unavailable"]}}},
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {
             "type": "object", "required": ["message", "type", "param", "code"], "properties": {
@@ -264,6 +265,13 @@ def openapi_document(model_name: str, context: int, api_key: Optional[str]) -> d
         models["security"] = [{"bearer": []}]
         models["responses"]["401"] = {"description": ERRORS["401"],
                                       "content": {"application/json": {"schema": _ref("Error")}}}
+    model = {"summary": "one served model, by name", "parameters": [
+        {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}], "responses": {
+        "200": {"description": "the model", "content": {"application/json": {"schema": _ref("Model")}}},
+        "404": {"description": "no model of that name", "content": {"application/json": {"schema": _ref("Error")}}},
+        **{k: v for k, v in models["responses"].items() if k == "401"}}}
+    if secured:
+        model["security"] = [{"bearer": []}]
     health = {"content": {"application/json": {"schema": _ref("Health")}}}
     doc = {
         "openapi": "3.1.0",
@@ -274,6 +282,7 @@ def openapi_document(model_name: str, context: int, api_key: Optional[str]) -> d
             "/v1/chat/completions": {"post": _generate("answer a conversation", "ChatCompletionRequest",
                                                        "ChatCompletion", secured)},
             "/v1/models": {"get": models},
+            "/v1/models/{model}": {"get": model},
             "/health": {"get": {"summary": "liveness", "responses": {
                 "200": {"description": "serving", **health},
                 "503": {"description": "shutting down or the model worker died", **health}}}},

@@ -74,6 +74,16 @@ def test_models_lists_the_base_and_each_adapter(served):
     assert [m.get("parent") for m in body["data"]] == [None, "base", "base"]
 
 
+def test_a_model_is_retrieved_by_name(served):
+    """GET /v1/models/{model} (OpenAI's retrieve, `client.models.retrieve`) was a 404 for every name."""
+    _, listed = call(served, "/v1/models")
+    for card in listed["data"]:
+        assert call(served, f"/v1/models/{card['id']}") == (200, card)
+    status, body = call(served, "/v1/models/org/nope")
+    assert status == 404 and body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model"
+    assert "'org/nope'" not in body["error"]["message"] and '"org/nope" does not exist' in body["error"]["message"]
+
+
 def test_concurrent_requests_for_different_adapters_answer_as_each_merged_model(served):
     jobs = [(model, p) for p in PROMPTS for model in ("base", "poet", "coder")]
     answers = [None] * len(jobs)

@@ -74,6 +74,9 @@ def http(url, path, body=None, key=KEY, method=None, raw=None):
 
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == ["shakespeare-tiny"]
+    assert client.models.retrieve("shakespeare-tiny").id == "shakespeare-tiny"  # the official client's retrieve
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
     assert http(server.url, "/health", key=None) == (200, {"status": "ok"})
     status, text = http(server.url, "/metrics", key=None)
     assert status == 200
@@ -293,6 +296,7 @@ def test_api_key(server):
         status, answer = http(server.url, "/v1/completions", body, key=key)
         assert status == 401 and answer["error"]["code"] == "invalid_api_key"
         assert http(server.url, "/v1/models", key=key)[0] == 401
+        assert http(server.url, "/v1/models/anything", key=key)[0] == 401
     assert http(server.url, "/v1/completions", body)[0] == 200
     assert http(server.url, "/v1/models")[0] == 200
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
