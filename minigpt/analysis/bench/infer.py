@@ -13,7 +13,7 @@ numbers. Rows:
 * ``prefill``: one forward over ``--prefill-len`` (512) tokens into a fresh KV cache, next-token logits only
   (``logits_to_keep=1`` for ``transformers``, which is what its ``generate`` does); tokens/s.
 * ``train``: one optimizer step on ``--train-batch x --train-seq`` (8 x 256) tokens: forward, float32
-  cross-entropy, backward, AdamW, ``zero_grad``; ``bfloat16`` means bf16 autocast over float32 weights on both
+  cross-entropy, backward, AdamW (torch's fused kernel, both trainers' default), ``zero_grad``; ``bfloat16`` means bf16 autocast over float32 weights on both
   sides. tokens/s and MFU = ``tokens/s * FLOPs/token / measured peak of the dtype`` (:mod:`minigpt.model.accounting`).
 
 Implementations (columns): ``transformers`` (eager, its default SDPA attention and dynamic cache, in the row's
@@ -238,7 +238,9 @@ def _train_workload(impl: str, model, dtype: torch.dtype, s: BenchSettings, x: t
     ``torch_autocast``), else MiniGPT's policy (:func:`minigpt.train.mixed.autocast`, which emulates bf16 with fp32
     kernels on CPUs without native bf16)."""
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    # fused: the AdamW both trainers run by default (transformers' adamw_torch_fused, minigpt.train.optim)
+    fused = next(model.parameters()).device.type in ("cpu", "cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=fused)
     forward = torch.compile(model) if compile else model
     if dtype == torch.float32:
         ctx = None
