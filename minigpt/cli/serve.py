@@ -83,11 +83,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _adapters(values: Optional[list[str]]) -> tuple[Optional[str], dict[str, str]]:
     """``--adapter`` values -> (the one folder to merge, {name: folder} to serve by name). ``NAME=DIR`` names an
-    adapter unless the whole value is an existing path (a folder may contain '=')."""
+    adapter unless the whole value is an existing path (a folder may contain '='); a name may hold '/', as Hugging
+    Face names do (``org/lora=DIR``)."""
     merged, named = None, {}
     for value in values or []:
         name, sep, folder = value.partition("=")
-        if sep and name and "/" not in name and not os.path.exists(value):
+        if sep and name and not os.path.exists(value):
             if not folder:
                 raise MiniGPTError(f"--adapter {value}: no folder after '='")
             if name in named:

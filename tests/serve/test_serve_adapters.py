@@ -126,6 +126,7 @@ def test_adapter_flags(tmp_path):
     assert _adapters(None) == (None, {})
     assert _adapters(["some/dir"]) == ("some/dir", {})
     assert _adapters(["a=x", "b=y/z"]) == (None, {"a": "x", "b": "y/z"})
+    assert _adapters(["org/lora=y/z"]) == (None, {"org/lora": "y/z"})  # was read as one folder to merge
     (tmp_path / "k=v").mkdir()
     assert _adapters([str(tmp_path / "k=v")]) == (str(tmp_path / "k=v"), {})
     for bad, message in ((["a=x", "a=y"], "given twice"), (["d1", "d2"], "only one --adapter DIR"),
