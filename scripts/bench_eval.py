@@ -49,6 +49,7 @@ from minigpt.eval.runner import evaluate
 from minigpt.infer.fastpath import load_for_inference
 from minigpt.model.config import ModelConfig
 from minigpt.model.transformer import Transformer
+from minigpt.paths import write_output
 from minigpt.runtime import loadavg, machine_info
 from minigpt.tokenizer.tokenizer import train_tokenizer
 
@@ -164,7 +165,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+        write_output(args.json, json.dumps(record, indent=1) + "\n", "--json")
 
 
 def bench_model(model_name: str, hf_dir: Path, limit: int, args, task_dir: Path, log: list) -> list[str]:

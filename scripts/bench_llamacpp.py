@@ -472,7 +472,10 @@ def main() -> int:
               f"{' built without AMX' if args.no_amx and args.isa != 'avx2' else ''}{restricted}")
     print(report + footer)
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps({"samples": samples, "cpu": cpu, "args": vars(args)}, indent=1))
+        from minigpt.paths import write_output
+
+        write_output(args.json_path, json.dumps({"samples": samples, "cpu": cpu, "args": vars(args)}, indent=1) + "\n",
+                     "--json")
     return 0
 
 

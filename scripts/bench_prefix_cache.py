@@ -32,6 +32,7 @@ from minigpt.infer.engine import Engine
 from minigpt.infer.sampling import SamplingParams
 from minigpt.model.config import preset
 from minigpt.model.transformer import Transformer
+from minigpt.paths import write_output
 from minigpt.runtime import loadavg, machine_info
 
 
@@ -99,8 +100,7 @@ def main() -> None:
     print(f"  CPU: {info['cpu']} ({info['cores']} cores); load before {info['load_before']}, after {loadavg()}"
           + (f"; GPU: {info['gpu']}" if "gpu" in info else ""))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_output(args.json, json.dumps(result, indent=2) + "\n", "--json")
 
 
 if __name__ == "__main__":

@@ -8,17 +8,34 @@ import functools
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 from minigpt.cli.common import add_command, positive_int
 from minigpt.errors import MiniGPTError
+from minigpt.paths import check_file_path, write_output
 
 _GIVEN = "_bench_model_options"  # namespace attribute: the model benchmark's options given before a sub-command
 
 
 def _split(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse an unwritable --out/--json before the benchmark, which can run for an hour, rather than after it."""
+    for flag, dest in (("--out", "out"), ("--json", "json_path")):
+        value = getattr(args, dest, None)
+        if value and value != "-":
+            check_file_path(value, flag)
+
+
+def _write_json(path: str, data) -> None:
+    """--json: ``data`` as JSON to stdout (``-``) or into a file, written whole or not at all."""
+    text = json.dumps(data, indent=1)
+    if path == "-":
+        print(text)
+    else:
+        write_output(path, text + "\n", "--json")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -41,6 +58,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             train_seq=args.train_seq, seed=args.seed, cold_compile=args.cold_compile)
     except ValueError as e:
         raise MiniGPTError(str(e)) from None
+    _check_outputs(args)
     command = "minigpt bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
     t0 = time.perf_counter()
     result = run_bench(settings)
@@ -52,13 +70,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                f"{result['machine']['load_before']} -> {result['machine']['load_after']}; {result['wall_s']:.0f} s")
     print(table + "\n" + summary)
     if args.out:
-        Path(args.out).write_text(table + "\n" + summary + "\n")
+        write_output(args.out, table + "\n" + summary + "\n", "--out")
     if args.json_path:
-        text = json.dumps(result, indent=1)
-        if args.json_path == "-":
-            print(text)
-        else:
-            Path(args.json_path).write_text(text + "\n")
+        _write_json(args.json_path, result)
     return 0
 
 
@@ -72,6 +86,7 @@ def cmd_bench_quant(args: argparse.Namespace) -> int:
 
     from minigpt.analysis.bench.reports import quant_report
 
+    _check_outputs(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     r = quant_report(args.ckpt, args.data, args.seq_len, args.max_windows, args.repeats, args.compile,
@@ -84,7 +99,7 @@ def cmd_bench_quant(args: argparse.Namespace) -> int:
               f"float32 eager), weights {r['weight_bytes'][name] / 2**20:.1f} MiB"
               + (f", compile {r['compile_s'][name]:.0f} s" if name in r["compile_s"] else ""))
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps(r, indent=1) + "\n")
+        _write_json(args.json_path, r)
     return 0
 
 
@@ -99,6 +114,7 @@ def cmd_bench_speculative(args: argparse.Namespace) -> int:
 
     from minigpt.analysis.bench.reports import speculative_report
 
+    _check_outputs(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     r = speculative_report(args.target, args.draft, args.data, args.k, args.prompts, args.prompt_len, args.new_tokens,
@@ -108,7 +124,7 @@ def cmd_bench_speculative(args: argparse.Namespace) -> int:
           f"{r['tokens_per_target_forward']:.2f} tokens per target forward; identical outputs "
           f"{r['identical_outputs']}")
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps(r, indent=1) + "\n")
+        _write_json(args.json_path, r)
     return 0
 
 
@@ -234,7 +250,7 @@ def register(sub) -> None:
         r.add_argument("--data", required=True, help="prepared data directory (its val split is used)")
         r.add_argument("--compile", action="store_true", help="also / instead run the compiled decode step")
         r.add_argument("--threads", type=positive_int)
-        r.add_argument("--json", dest="json_path", metavar="FILE")
+        r.add_argument("--json", dest="json_path", metavar="FILE", help="write the measurements as JSON ('-' = stdout)")
 
     v = add_command(group, "serve", _own_options_only("serve", cmd_bench_serve))
     v.add_argument("ckpt", nargs="?", help="model to serve (default: a random-init --preset model)")

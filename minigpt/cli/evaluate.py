@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 from minigpt.cli.common import add_command
 from minigpt.errors import MiniGPTError
+from minigpt.paths import check_file_path, write_output
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -30,9 +30,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     tasks = [t for t in args.tasks.split(",") if t.strip()]
     # Output paths and the reference are checked before the evaluation, which can take hours, not after it.
-    if args.output and (Path(args.output).is_dir() or any(p.exists() and not p.is_dir()
-                                                           for p in Path(args.output).parents)):
-        raise MiniGPTError(f"--output {args.output} must be a file path (not a folder, not under a file)")
+    if args.output:
+        check_file_path(args.output, "--output")
     if args.report and (Path(args.report).exists() and not Path(args.report).is_dir()):
         raise MiniGPTError(f"--report {args.report} is a file; give a folder to write results.md and results.png in")
     reference = None
@@ -50,16 +49,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                           bos=args.bos, num_fewshot=args.num_fewshot, limit=args.limit, batch_size=args.batch_size,
                           data_dir=args.data_dir, reuse_prefix=not args.no_reuse, samples=args.samples,
                           log=lambda line: print(line, file=sys.stderr, flush=True))
-    if args.output:
-        path = Path(args.output)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:  # written whole or not at all: a temporary file renamed over the target
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(out, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-            os.replace(tmp, path)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise MiniGPTError(f"cannot write {path}: {e}") from None
+    if args.output:  # written whole or not at all: a temporary file renamed over the target
+        write_output(args.output, json.dumps(out, indent=2, ensure_ascii=False) + "\n", "--output")
     if args.report:
         write_report(out, args.report, reference)
     print(results_table(out))

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from minigpt.errors import MiniGPTError
+from minigpt.paths import write_text_atomic
 
 ACCURACY_METRICS = ("acc", "acc_norm")
 
@@ -70,7 +71,7 @@ def write_report(out: dict, directory, reference: Optional[dict] = None) -> Path
         directory.mkdir(parents=True, exist_ok=True)
         config = ", ".join(f"{k}={v}" for k, v in out.get("config", {}).items())
         text = f"# Evaluation\n\n{config}\n\n{results_table(out, True, reference)}\n\n![results](results.png)\n"
-        (directory / "results.md").write_text(text, encoding="utf-8")
+        write_text_atomic(directory / "results.md", text)
         _bar_chart(out, directory / "results.png", reference)
     except OSError as e:
         raise MiniGPTError(f"cannot write the report into {directory}: {e}") from None

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from minigpt.model.rope import validate_rope_scaling
+from minigpt.paths import write_text_atomic
 
 
 def swiglu_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float] = None) -> int:
@@ -244,7 +245,7 @@ class ModelConfig:
         return dataclass_from_dict(cls, d, "ModelConfig field")
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        write_text_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "ModelConfig":

@@ -66,6 +66,7 @@ from minigpt.errors import MiniGPTError
 from minigpt.eval.loss import loss_sum
 from minigpt.model.accounting import flops_per_token
 from minigpt.model.transformer import Transformer
+from minigpt.paths import write_text_atomic
 from minigpt.runtime import measure_peak_flops, memory_stats, pick_device
 from minigpt.train import distributed as dist_mod
 from minigpt.train import state as train_state
@@ -306,7 +307,7 @@ class Trainer:
         import yaml
 
         if main:
-            (out_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+            write_text_atomic(out_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
         say(yaml.safe_dump(resolved, sort_keys=False), end="", flush=True)
         say(f"parameters: {self.n_params:,} | global batch: {cfg.batch_size} x {cfg.grad_accum} accum x "
             f"{info.world_size} rank(s) x {self.seq_len} = {self.tokens_per_step:,} tokens/step | device: {device} "

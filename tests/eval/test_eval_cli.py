@@ -57,8 +57,8 @@ def test_output_paths_and_reference_are_checked_before_the_evaluation(tmp_path):
     (tmp_path / "a_file").write_text("x")
     (tmp_path / "bad.json").write_text("{not json")
     missing = tmp_path / "no_model"
-    for extra, fragment in [(["--output", tmp_path], "must be a file path"),
-                            (["--output", tmp_path / "a_file" / "out.json"], "must be a file path"),
+    for extra, fragment in [(["--output", tmp_path], "is a folder; give a file path"),
+                            (["--output", tmp_path / "a_file" / "out.json"], "is an existing file, not a directory"),
                             (["--report", tmp_path / "a_file"], "is a file; give a folder"),
                             (["--reference", tmp_path / "bad.json"], "cannot read --reference")]:
         proc = run_cli("eval", missing, "--tasks", "arc_easy", *extra)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import resource
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -17,6 +16,7 @@ from minigpt.model.config import ModelConfig, preset
 from minigpt.model.flash_reference import flash_attention
 from minigpt.model.norm import LayerNorm, RMSNorm
 from minigpt.model.transformer import Transformer, lm_loss
+from minigpt.paths import write_text_atomic
 from minigpt.runtime import rss_bytes, run_in_child
 from minigpt.train.config import TrainerConfig
 from minigpt.train.optim import build_optimizer
@@ -71,7 +71,7 @@ def _attention_child(impl: str, seq_lens: list[int], heads: int, head_dim: int, 
         rows.append({"seq_len": n, "seconds": seconds,
                      "saved_mb": sum(b for p, b in saved.items() if p not in inputs) / 2**20,
                      "peak_above_idle_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - idle) / 2**20})
-    Path(path).write_text(json.dumps(rows))
+    write_text_atomic(path, json.dumps(rows))
 
 
 def attention_benchmark(settings, seq_lens=ATTENTION_SEQ_LENS) -> dict[str, Any]:
@@ -90,7 +90,7 @@ def attention_benchmark(settings, seq_lens=ATTENTION_SEQ_LENS) -> dict[str, Any]
     for impl in ("sdpa", "flash_reference", "naive"):
         run_in_child(_attention_child, impl, list(seq_lens), cfg.n_heads, cfg.head_dim, settings.threads, str(path))
         out["results"][impl] = json.loads(path.read_text())
-    cache.write_text(json.dumps(out))
+    write_text_atomic(cache, json.dumps(out))
     return out
 
 
@@ -126,7 +126,7 @@ def _throughput_child(configs: dict[str, dict], batch: int, seq_len: int, thread
     for _ in range(rounds):
         for name in setups:
             times[name].append(train_steps(name, steps))
-    Path(path).write_text(json.dumps({name: batch * seq_len / min(t) for name, t in times.items()}))
+    write_text_atomic(path, json.dumps({name: batch * seq_len / min(t) for name, t in times.items()}))
 
 
 SPEED_TWIN = "baseline-again"  # the baseline timed a second time in the same rounds: the speed noise
@@ -153,7 +153,7 @@ def throughput_benchmark(settings, configs: dict[str, dict], key: str, rounds: i
     run_in_child(_throughput_child, configs, b["batch_size"], b["seq_len"], settings.threads, rounds, steps, str(tmp),
                  optimizers)
     result = json.loads(tmp.read_text())
-    cache.write_text(json.dumps({"spec": spec, "tokens_per_s": result}))
+    write_text_atomic(cache, json.dumps({"spec": spec, "tokens_per_s": result}))
     return result
 
 

@@ -23,6 +23,7 @@ from minigpt.analysis.ablate.verdicts import (
     succeeded,
     verdict_positions,
 )
+from minigpt.paths import write_text_atomic
 
 # ------------------------------------------------------------------------------------------------ plots
 
@@ -215,7 +216,7 @@ def write_report(records: dict[str, Any], docs_dir: Path) -> Path:
                 VERDICTS[name](entry, noise)
             out += [f"**Claim**: {claim}", "", f"**Our measurement**: {verdict}"]
     path = docs_dir / "ablations.md"
-    path.write_text("\n".join(out) + "\n")
+    write_text_atomic(path, "\n".join(out) + "\n")
     return path
 
 

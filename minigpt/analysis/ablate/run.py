@@ -53,6 +53,7 @@ from minigpt.data import loader
 from minigpt.data import prepare as data_mod
 from minigpt.errors import MiniGPTError
 from minigpt.model.config import ModelConfig, preset
+from minigpt.paths import write_text_atomic
 from minigpt.runtime import machine_info, rss_bytes, run_in_child
 from minigpt.tokenizer.tokenizer import Tokenizer
 from minigpt.train.loop import TrainConfig, evaluate, train
@@ -184,7 +185,7 @@ def _child(spec: dict[str, Any], result_path: str) -> None:
     try:
         result = train(TrainConfig(**spec["train"]))
     except (MiniGPTError, ValueError, RuntimeError) as e:  # a diverging variant is a finding, not a crash
-        Path(result_path).write_text(json.dumps({"name": spec["name"], "failed": f"{type(e).__name__}: {e}",
+        write_text_atomic(result_path, json.dumps({"name": spec["name"], "failed": f"{type(e).__name__}: {e}",
                                                  "parameters": count_parameters(cfg), "model": spec["model"],
                                                  "kv_bytes_per_token_fp32": kv_cache_bytes_per_token(cfg, 4)}))
         return
@@ -195,7 +196,7 @@ def _child(spec: dict[str, Any], result_path: str) -> None:
            "kv_bytes_per_token_fp32": kv_cache_bytes_per_token(cfg, 4),
            "activation_mb_estimate": activation_bytes(cfg, spec["train"]["batch_size"], spec["train"]["seq_len"])
            / 2**20}
-    Path(result_path).write_text(json.dumps(out, indent=1))
+    write_text_atomic(result_path, json.dumps(out, indent=1))
     log.close()
 
 
@@ -217,7 +218,7 @@ def _context_child(checkpoint: str, data_dir: str, seq_len: int, n_tokens: int, 
         loss = evaluate(model, x, y, max(1, 2048 // length), nullcontext())
         out[str(factor)] = {"val_loss": loss,
                             "val_bpb": loader.bits_per_byte(loss, meta["val"]["tokens"], meta["val"]["bytes"])}
-    Path(path).write_text(json.dumps(out))
+    write_text_atomic(path, json.dumps(out))
 
 
 def parse_tokens(text: str | int) -> int:
@@ -337,7 +338,7 @@ def run_variant(variant: Variant, comparison: Comparison, settings: AblationSett
     metrics = run_dir / "metrics.jsonl"
     record["metrics"] = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] \
         if metrics.is_file() else []
-    result_path.write_text(json.dumps(record, indent=1))
+    write_text_atomic(result_path, json.dumps(record, indent=1))
     record = _with_context_eval(record, settings, data_dir, result_path)
     if "failed" in record:
         print(f"    failed: {record['failed']}", flush=True)
@@ -364,7 +365,7 @@ def _with_context_eval(record: dict[str, Any], settings: AblationSettings, data_
                  str(tmp))
     record["context_eval"] = json.loads(tmp.read_text())
     record["context_eval_tokens"] = n_tokens
-    result_path.write_text(json.dumps(record, indent=1))
+    write_text_atomic(result_path, json.dumps(record, indent=1))
     return record
 
 
@@ -451,7 +452,7 @@ def run_ablations(names: list[str], settings: AblationSettings) -> dict[str, Any
     records["wall_s"] = time.time() - started
     records["machine"]["load_end"] = os.getloadavg()
     settings.docs_dir.mkdir(parents=True, exist_ok=True)
-    (settings.out_dir / f"ablations-{settings.scale}.json").write_text(json.dumps(records, indent=1))
+    write_text_atomic(settings.out_dir / f"ablations-{settings.scale}.json", json.dumps(records, indent=1))
     write_report(records, settings.docs_dir)
     return records
 
