@@ -26,16 +26,14 @@ tokenizer's stop ids plus the template's end-of-turn token (:attr:`ChatTemplate.
 """
 from __future__ import annotations
 
-import contextvars
-import json
 import tempfile
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from minigpt.errors import MiniGPTError, one_line, shown_json
 from minigpt.tokenizer.interop import build_tokenizer, vocab_from_file
 from minigpt.tokenizer.roles import TokenRoles
+from minigpt.tokenizer.template_sandbox import CLOSE_MARK, OPEN_MARK, environment, render_bounds
 from minigpt.tokenizer.tokenizer import InvalidText, Tokenizer, check_text
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -68,7 +66,7 @@ PLAIN_TEMPLATE = (
 PLAIN_STOP = "\nUser:"
 
 # Private-use characters that mark generation blocks in the rendered text; removed before tokenizing.
-_OPEN, _CLOSE = "\uf8f0", "\uf8f1"
+_OPEN, _CLOSE = OPEN_MARK, CLOSE_MARK
 # An assistant reply whose rendering shows what the template writes right after a turn (its end-of-turn token).
 _PROBE = "minigptEndOfTurnProbe"
 
@@ -132,109 +130,6 @@ def template_from_config(value: Any, origin: str) -> Optional[TemplateText]:
     return TemplateText(value["default"], origin, {k: v for k, v in value.items() if k != "default"})
 
 
-def _environment():
-    """The sandboxed Jinja environment of ``transformers``' chat templates, plus the ``generation`` tag."""
-    import jinja2
-    from jinja2 import nodes
-    from jinja2.exceptions import SecurityError
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.runtime import LoopContext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
-
-    class GenerationMarks(Extension):
-        """``{% generation %}BODY{% endgeneration %}`` renders BODY between the two marker characters."""
-
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
-
-        def _mark(self, caller):
-            return _OPEN + caller() + _CLOSE
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(format):  # Llama 3.x templates print today's date in the system header
-        return datetime.now().strftime(format)
-
-    class Sandbox(ImmutableSandboxedEnvironment):
-        """Jinja's sandbox bounds one ``range`` (100,000 items) but not nested ones, nor ``'a' * n``, nor loops
-        over other long values: a hostile template hung the process or took gigabytes. Here a render may draw
-        :data:`RANGE_BUDGET` items from ranges in all, repeat a string or list to :data:`REPEAT_LIMIT` items at
-        most, and run :data:`LOOP_BUDGET` iterations of ``for`` loops in all (nested loops over a long string
-        hung the process for hours)."""
-
-        intercepted_binops = frozenset(["*"])
-
-        def _parse(self, source, name, filename):
-            # Every for loop iterates through the counting filter, whatever it loops over.
-            tree = super()._parse(source, name, filename)
-            for loop in tree.find_all(nodes.For):
-                loop.iter = nodes.Filter(loop.iter, "minigpt_counted", [], [], None, None, lineno=loop.lineno)
-            return tree
-
-        def call(__self, __context, __obj, *args, **kwargs):
-            # loop(children) in a recursive for loop iterates anew, past the filter put around the loop's own iter.
-            if isinstance(__obj, LoopContext) and args:
-                args = (counted(args[0]), *args[1:])
-            return super().call(__context, __obj, *args, **kwargs)
-
-        def call_binop(self, context, operator, left, right):
-            if operator == "*":
-                seq, n = (left, right) if isinstance(right, int) else (right, left)
-                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > REPEAT_LIMIT:
-                    raise SecurityError(f"the template repeats a value to more than {REPEAT_LIMIT:,} items")
-            return super().call_binop(context, operator, left, right)
-
-    def budget_range(*args):
-        items = safe_range(*args)
-        left = _RANGE_LEFT.get()
-        if left is not None:
-            if len(items) > left[0]:
-                raise SecurityError(f"the template draws more than {RANGE_BUDGET:,} items from range() in one "
-                                    "render (a loop that would not end?)")
-            left[0] -= len(items)
-        return items
-
-    def counted(iterable):
-        left = _LOOPS_LEFT.get()
-        for item in iterable:
-            if left is not None:
-                left[0] -= 1
-                if left[0] < 0:
-                    raise SecurityError(f"the template runs more than {LOOP_BUDGET:,} loop iterations in one render "
-                                        "(a loop that would not end?)")
-            yield item
-
-    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationMarks, loopcontrols])
-    env.filters["minigpt_counted"] = counted
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    env.globals["range"] = budget_range
-    return env
-
-
-# Bounds on one render of a chat template (see _environment): items drawn from range() in all, the length of a
-# string or list repeated with `*`, and for-loop iterations in all. Real templates use a few ranges and loops over
-# the messages and tools.
-RANGE_BUDGET = 1_000_000
-REPEAT_LIMIT = 1_000_000
-LOOP_BUDGET = 1_000_000
-# The items a render in progress may still draw from range(), as a one-item list (None outside a render).
-_RANGE_LEFT: contextvars.ContextVar[Optional[list[int]]] = contextvars.ContextVar("chat_template_range",
-                                                                                   default=None)
-# Likewise the iterations of for loops a render in progress may still run.
-_LOOPS_LEFT: contextvars.ContextVar[Optional[list[int]]] = contextvars.ContextVar("chat_template_loops",
-                                                                                  default=None)
-
-
 def tokenizers_backend(tokenizer: Tokenizer):
     """A private ``tokenizers.Tokenizer`` copy of ``tokenizer`` that recognises its added tokens in text.
 
@@ -294,7 +189,8 @@ class ChatTemplate:
     when it rejects the messages (its ``raise_exception``, a Jinja error) or they are not valid UTF-8,
     :class:`TemplateFailed` (a :class:`TemplateRejected`) when rendering raises anything else (``{{ 1/0 }}``), and
     :class:`MiniGPTError` when (without generation blocks) it is not prefix-stable. A template that loops for long
-    is stopped (a :class:`TemplateFailed`) at the bounds of a render (:data:`LOOP_BUDGET`, :data:`RANGE_BUDGET`).
+    or grows a value without end is stopped (a :class:`TemplateFailed`) at the bounds of a render
+    (:mod:`minigpt.tokenizer.template_sandbox`).
     """
 
     def __init__(self, tokenizer: Tokenizer, template: Optional[str] = None, stop: Sequence[str] = ()) -> None:
@@ -320,7 +216,7 @@ class ChatTemplate:
 
         which = f" '{name}'" if name else ""
         try:
-            return _environment().from_string(source)
+            return environment().from_string(source)
         except TemplateSyntaxError as e:
             raise MiniGPTError(f"the chat template{which}{self._of} does not compile: {one_line(e)} "
                                f"(line {e.lineno})") from None
@@ -391,11 +287,11 @@ class ChatTemplate:
         # transformers' get_chat_template: the tool_use template when tools are given and the model has one.
         use_tools = tools is not None and self._tool_template is not None
         template, which = (self._tool_template, " 'tool_use'") if use_tools else (self._template, "")
-        budget, loops = _RANGE_LEFT.set([RANGE_BUDGET]), _LOOPS_LEFT.set([LOOP_BUDGET])
         try:
             # tools and documents are always defined (None when absent), as apply_chat_template renders them.
-            return template.render(messages=messages, tools=tools, documents=None,
-                                   add_generation_prompt=add_generation_prompt, **self._variables)
+            with render_bounds(messages, tools, self._variables):
+                return template.render(messages=messages, tools=tools, documents=None,
+                                       add_generation_prompt=add_generation_prompt, **self._variables)
         except SecurityError as e:  # the sandbox's bounds: the template is at fault
             raise TemplateFailed(f"the chat template{which}{self._of} was stopped: {one_line(e)}") from None
         except TemplateError as e:
@@ -403,9 +299,6 @@ class ChatTemplate:
         except Exception as e:  # whatever the model's template raises is reported, never a crash
             raise TemplateFailed(f"the chat template{which}{self._of} failed while rendering: {type(e).__name__}: "
                                  f"{one_line(e)}") from None
-        finally:
-            _RANGE_LEFT.reset(budget)
-            _LOOPS_LEFT.reset(loops)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
                tools: Optional[list[dict]] = None) -> str:

@@ -8,7 +8,7 @@ from conftest import TINY_MODEL, assert_one_line_error, random_model, run_cli
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from minigpt.checkpoint.native import save_pretrained
-from minigpt.tokenizer import chat_template
+from minigpt.tokenizer import template_sandbox
 from minigpt.tokenizer.chat_template import IM_END, IM_START, ChatTemplate, TemplateFailed, add_special_tokens
 from minigpt.tokenizer.tokenizer import train_tokenizer
 
@@ -36,7 +36,7 @@ def test_nested_loops_over_a_long_string_are_stopped(tokenizer):
 def test_the_loops_of_a_recursive_for_count_too(tokenizer, monkeypatch):
     """``loop(children)`` iterates outside the loop's own ``in`` expression: counted as well. 10,100 iterations
     against a budget lowered to 1,000."""
-    monkeypatch.setattr(chat_template, "LOOP_BUDGET", 1000)
+    monkeypatch.setattr(template_sandbox, "LOOP_BUDGET", 1000)
     template = ('{% set s = "a" * 100 %}{% for c in [1] recursive %}{% if loop.depth < 3 %}{{ loop(s) }}{% endif %}'
                 "{% endfor %}")
     with pytest.raises(TemplateFailed, match="runs more than 1,000 loop iterations"):
