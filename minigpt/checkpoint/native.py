@@ -39,7 +39,7 @@ from minigpt.model.quant import (
     quantize_weight_int4,
 )
 from minigpt.model.transformer import Transformer
-from minigpt.tokenizer.chat_template import TemplateText, template_from_config
+from minigpt.tokenizer.chat_template import template_from_config, template_text
 from minigpt.tokenizer.interop import build_tokenizer, read_llama2c_tokenizer
 from minigpt.tokenizer.roles import roles_from_gguf
 from minigpt.tokenizer.tokenizer import Tokenizer, TokenizerMissing
@@ -353,7 +353,8 @@ def load_chat_template(source: str | Path) -> Optional[str]:
     The string is a :class:`~minigpt.tokenizer.chat_template.TemplateText` that names the file it came from.
 
     Raises :class:`MiniGPTError` (naming the file) for a template that is neither a string nor that list (or a list
-    without a ``default`` template), and for a ``chat_template.jinja`` that is not UTF-8 text.
+    without a ``default`` template), and for a ``chat_template.jinja`` that is not UTF-8 text. An empty template
+    (only white space) is None, with a ``RuntimeWarning`` naming its file.
     """
     source = Path(source)
     if source.is_file() and source.suffix == ".gguf":
@@ -364,7 +365,7 @@ def load_chat_template(source: str | Path) -> Optional[str]:
         jinja = source / "chat_template.jinja"
         if jinja.is_file():
             try:
-                return TemplateText(jinja.read_text(encoding="utf-8"), str(jinja))
+                return template_text(jinja.read_text(encoding="utf-8"), str(jinja))
             except UnicodeDecodeError as e:
                 raise MiniGPTError(f"{jinja} is not UTF-8 text ({e}); fix or delete it") from None
         config = source / "tokenizer_config.json"

@@ -12,6 +12,7 @@ import argparse
 import gc
 import os
 import sys
+import warnings
 
 from minigpt.cli import analysis, bench, convert, data, evaluate, generate, posttrain, quick, serve, train
 from minigpt.errors import MiniGPTError, describe_os_error
@@ -63,11 +64,30 @@ def run() -> int:
     Xeon (measured: the same for ``python -c "import torch"``) after a command's work is done; frozen objects
     (``gc.freeze``) are not walked, which took the exit to 0.1-0.2 s. ``atexit`` handlers and reference-counted
     clean-up still run. Not done in :func:`main`, which tests call in-process."""
+    if not os.environ.get("MINIGPT_DEBUG"):
+        warnings.showwarning = _show_warning
     code = _native(sys.argv[1:])
     if code is None:
         code = main()
     gc.freeze()
     return code
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_default_show_warning = warnings.showwarning
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """MiniGPT's own warnings as one ``warning: ...`` line, as its errors are (not Python's two lines of file,
+    line number and source); other libraries' warnings keep Python's form, which says where they come from.
+    ``MINIGPT_DEBUG=1`` keeps Python's form for all."""
+    if os.path.abspath(filename).startswith(_PACKAGE + os.sep):
+        try:
+            print(f"warning: {message}", file=file or sys.stderr)
+        except OSError:  # stderr closed: a warning is not worth failing the command for
+            pass
+    else:
+        _default_show_warning(message, category, filename, lineno, file, line)
 
 
 def _native(argv: list[str]) -> int | None:

@@ -27,6 +27,7 @@ tokenizer's stop ids plus the template's end-of-turn token (:attr:`ChatTemplate.
 from __future__ import annotations
 
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -102,6 +103,17 @@ class TemplateText(str):
         return TemplateText, (str(self), self.origin, self.named)
 
 
+def template_text(text: str, origin: str) -> Optional[TemplateText]:
+    """``text`` read from ``origin`` as a :class:`TemplateText`; None, with a ``RuntimeWarning`` naming ``origin``,
+    when it is empty or only white space. Such a file renders nothing for any conversation: the model is taken to
+    have no template (the plain fallback at inference, the trainer's own template in fine-tuning), and says so."""
+    if not text.strip():
+        warnings.warn(f"the chat template in {origin} is empty; it is ignored, as if the model had none (write a "
+                      "template there, or delete it)", RuntimeWarning, stacklevel=3)
+        return None
+    return TemplateText(text, origin)
+
+
 def template_from_config(value: Any, origin: str) -> Optional[TemplateText]:
     """The chat template of a ``chat_template`` value read from ``origin`` (a file, for messages): None, a string,
     or Hugging Face's multi-template layout, a list of ``{"name", "template"}`` objects (or a ``{name: template}``
@@ -115,7 +127,7 @@ def template_from_config(value: Any, origin: str) -> Optional[TemplateText]:
     if value is None:
         return None
     if isinstance(value, str):
-        return TemplateText(value, origin)
+        return template_text(value, origin)
     layout = "a list of {\"name\": ..., \"template\": ...} objects"
     if isinstance(value, list):
         if not all(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)

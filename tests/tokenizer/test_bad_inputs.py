@@ -104,6 +104,26 @@ def test_template_raising_in_a_gguf_names_the_gguf(tmp_path):
         chat.prompt(HI)
 
 
+@pytest.mark.parametrize("where, text", [("chat_template.jinja", ""), ("chat_template.jinja", " \n\t"),
+                                         ("tokenizer_config.json", "   ")])
+def test_an_empty_template_is_ignored_with_a_warning_naming_its_file(tmp_path, where, text):
+    """It renders nothing for any conversation: it was taken as no template, the plain fallback, without a word."""
+    path = model_dir(tmp_path / "m", {"chat_template": text} if where == "tokenizer_config.json" else None,
+                     text if where == "chat_template.jinja" else None)
+    with pytest.warns(RuntimeWarning, match=f"the chat template in {path / where} is empty; it is ignored"):
+        assert load_chat_template(path) is None
+
+
+def test_generate_chat_with_an_empty_template_says_so_and_answers(tmp_path):
+    path = model_dir(tmp_path / "m", jinja="\n")
+    proc = run_cli("generate", path, "--chat", "hi", "--max-new-tokens", "2", "--temperature", "0")
+    assert proc.returncode == 0, proc.stderr
+    # One line, as errors are: not Python's "file:line: RuntimeWarning: ..." and the source line under it.
+    assert proc.stderr.splitlines()[0].startswith(
+        f"warning: the chat template in {path / 'chat_template.jinja'} is empty; it is ignored"), proc.stderr
+    assert "RuntimeWarning" not in proc.stderr and "load_chat_template" not in proc.stderr
+
+
 def test_generate_chat_with_a_raising_template_is_a_one_line_error(tmp_path):
     path = model_dir(tmp_path / "m", {"chat_template": ZERO_DIVISION})
     proc = run_cli("generate", path, "--chat", "hi", "--max-new-tokens", "2")
