@@ -9,6 +9,8 @@ from pathlib import Path
 from minigpt.cli.common import add_command
 from minigpt.errors import MiniGPTError
 
+DEFAULT_NEW_TOKENS = 200  # --max-new-tokens when not given (fewer when the context has less room)
+
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate text from a checkpoint (a run directory, a checkpoint directory or a Hugging Face Llama directory).
@@ -61,8 +63,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise MiniGPTError(f"--seed must fit in 64 bits (-2**63 .. 2**64 - 1), got {args.seed}")
     if args.draft is not None and not 1 <= args.draft_k <= 64:
         raise MiniGPTError(f"--draft-k must be between 1 and 64 draft tokens a round, got {args.draft_k}")
-    if args.max_new_tokens < 1:  # one message for 0 and below (sampling's own names max_tokens, its API field)
-        raise MiniGPTError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:  # one message for 0 and below (sampling's own
+        raise MiniGPTError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")  # names max_tokens)
     if args.threads is not None:
         if args.threads < 1:
             raise MiniGPTError(f"--threads must be at least 1, got {args.threads}")
@@ -72,7 +74,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     device = pick_device(args.device)
     options = dict(device=device, dtype=DTYPES[args.dtype], quantize=args.quantize, compile=args.compile,
                    compile_mode=args.compile_mode, fast=not args.no_fast, aoti=args.compile)
-    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+    params = SamplingParams(max_tokens=args.max_new_tokens or DEFAULT_NEW_TOKENS, temperature=args.temperature,
+                            top_k=args.top_k,
                             top_p=args.top_p, stop=tuple(args.stop or ()), seed=args.seed)
     model = load_for_inference(ckpt, adapter=args.adapter, **options)
     words = tokenizer_source(ckpt, args.adapter)  # an adapter's own tokenizer and template, with tokens it added
@@ -99,9 +102,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not 2 <= args.context <= context:
             raise MiniGPTError(f"--context must be between 2 and the model's context of {context}, got {args.context}")
         context = args.context
+    max_new_tokens = args.max_new_tokens
+    if max_new_tokens is None:  # the default: fewer where the context has less room (a small model's 64 tokens)
+        room = context - max(map(len, encoded))
+        if room >= 1:
+            max_new_tokens = min(DEFAULT_NEW_TOKENS, room)
+        elif args.truncate_prompt:  # a prompt that fills the context keeps half of it
+            max_new_tokens = min(DEFAULT_NEW_TOKENS, context // 2)
+        # else None: check_length reports the prompt as too long for the context
+        params = params.replace(max_tokens=max_new_tokens or DEFAULT_NEW_TOKENS)
     for i, ids in enumerate(encoded):
         # Checked here too, to name the flags (and before --echo prints the prompt).
-        drop, _ = check_length(len(ids), args.max_new_tokens, context, truncate=args.truncate_prompt,
+        drop, _ = check_length(len(ids), max_new_tokens, context, truncate=args.truncate_prompt,
                                name="max_new_tokens",
                                hint="shorten the prompt, lower --max-new-tokens, or pass --truncate-prompt")
         encoded[i] = ids[drop:]
@@ -294,7 +306,9 @@ def register(sub) -> None:
     p.add_argument("--batch", action="store_true",
                    help="each non-empty line of --prompt-file (or stdin) is its own prompt; all run in one batch")
     p.add_argument("--jsonl", action="store_true", help="batch output as JSON lines (prompt, completion, ...)")
-    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=200)
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=None,
+                   help=f"most tokens to generate (default {DEFAULT_NEW_TOKENS}, or what the context has room for "
+                   "after the prompt when that is fewer; a value given must fit)"),
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", dest="top_k", type=int, default=None)
     p.add_argument("--top-p", dest="top_p", type=float, default=None)

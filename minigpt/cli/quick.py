@@ -36,7 +36,8 @@ def run(argv: list[str]) -> Optional[int]:
         args = parser.parse_args(argv)
     except SystemExit:  # a usage error: the ordinary command reports it
         return None
-    if not native_eligible(args) or (args.threads is not None and args.threads < 1) or args.max_new_tokens < 1:
+    if not native_eligible(args) or (args.threads is not None and args.threads < 1) or (
+            args.max_new_tokens is not None and args.max_new_tokens < 1):
         return None
     t_load = time.perf_counter()
     source = Path(args.ckpt)
@@ -50,7 +51,9 @@ def run(argv: list[str]) -> Optional[int]:
 
     tokenizer = Tokenizer.from_dir(source, prefer_sentencepiece=True)  # as checkpoint.native.load_tokenizer
     ids = encode_prompt(tokenizer, args.prompt[0], bos=args.bos or manifest["bos"])
-    if len(ids) > PROMPT_TOKENS_MAX or len(ids) + args.max_new_tokens > manifest["positions"]:
+    # The default number of new tokens as the ordinary command takes it (manifest["positions"]: the model's context).
+    max_new_tokens = args.max_new_tokens or min(generate.DEFAULT_NEW_TOKENS, manifest["positions"] - len(ids))
+    if len(ids) > PROMPT_TOKENS_MAX or max_new_tokens < 1 or len(ids) + max_new_tokens > manifest["positions"]:
         return None
     try:
         runner = NativeRunner(Path(manifest["runner"]), Path(manifest["package"]), Path(manifest["bundle"]),
@@ -81,8 +84,8 @@ def run(argv: list[str]) -> Optional[int]:
     if args.echo:
         out.write(args.prompt[0])
     with runner:
-        runner.generate(ids, args.max_new_tokens, sorted(stop_ids), on_token,
-                        cache_length(len(ids) + args.max_new_tokens, manifest["positions"]))
+        runner.generate(ids, max_new_tokens, sorted(stop_ids), on_token,
+                        cache_length(len(ids) + max_new_tokens, manifest["positions"]))
     if not stops.stopped:
         out.write(stops.finish())
     out.write("\n")

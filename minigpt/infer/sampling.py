@@ -174,7 +174,8 @@ def check_length(prompt_len: int, max_tokens: Optional[int], max_seq_len: int, *
     if max_tokens is None:
         if prompt_len >= max_seq_len:
             raise InvalidRequest(f"the prompt has {prompt_len} tokens but the model's context is {max_seq_len} "
-                                 "tokens, which must also hold at least one generated token", "prompt")
+                                 "tokens, which must also hold at least one generated token"
+                                 + (f"; {hint}" if hint else ""), "prompt")
         return 0, max_seq_len - prompt_len
     if max_tokens < 1:
         raise InvalidRequest(f"{name} must be at least 1, got {max_tokens}", "max_tokens")

@@ -64,6 +64,21 @@ def test_prompt_too_long(tiny_ckpt):
     assert_one_line_error(proc, "max_new_tokens 10", "context of 64 tokens")
 
 
+def test_the_default_answer_length_fits_a_small_context(tiny_ckpt):
+    """Without --max-new-tokens a model whose context (64 tokens) is below the default 200 new tokens was an error
+    blaming a flag never given; it now generates what the context has room for. A value given must still fit."""
+    proc = run_cli("generate", tiny_ckpt, "--prompt", "ROMEO:", "--temperature", 0, "--stats")
+    assert proc.returncode == 0, proc.stderr
+    prompt_tokens = int(proc.stderr.split("| prefill ")[1].split(" tokens")[0])
+    new_tokens = int(proc.stderr.split("| total ")[1].split(" tokens")[0])
+    assert 1 <= new_tokens <= 64 - prompt_tokens, proc.stderr  # fewer only where an end-of-text token came first
+    assert_one_line_error(run_cli("generate", tiny_ckpt, "--prompt", "ROMEO:", "--max-new-tokens", 100),
+                          "max_new_tokens (100) must be below the model's context of 64 tokens")
+    # A prompt that fills the context alone: the prompt is named, with the ways out.
+    assert_one_line_error(run_cli("generate", tiny_ckpt, "--prompt", "to be or not to be " * 40),
+                          "the prompt has", "context is 64 tokens", "--truncate-prompt")
+
+
 def test_checkpoint_missing_a_file(tiny_ckpt, tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()
