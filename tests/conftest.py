@@ -1,4 +1,5 @@
 """Shared pytest fixtures and helpers."""
+import json
 import os
 import subprocess
 import sys
@@ -113,9 +114,75 @@ CLI_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATA
 
 def run_cli(*args, stdin=None, env=None):
     """Run ``python -m minigpt ARGS`` (``env``: variables added to :data:`CLI_ENV`) and return the completed
-    process (text mode)."""
-    return subprocess.run([sys.executable, "-m", "minigpt", *map(str, args)], capture_output=True, text=True,
-                          env={**CLI_ENV, **(env or {})}, input=stdin, timeout=300)
+    process (text mode). Forked from a process that has imported torch (``tests/cli_zygote.py``) where that is the
+    same process, else a fresh interpreter."""
+    command = [sys.executable, "-m", "minigpt", *map(str, args)]
+    if env is None and _zygote.usable():
+        return _zygote.run(command, stdin, timeout=300)
+    return subprocess.run(command, capture_output=True, text=True, env={**CLI_ENV, **(env or {})}, input=stdin,
+                          timeout=300)
+
+
+class _Zygote:
+    """The test process's end of ``tests/cli_zygote.py``: started at the first call, kept for the session."""
+
+    def __init__(self):
+        self.ready, self.buffer = None, b""
+
+    def usable(self) -> bool:
+        if self.ready is None:
+            self.ready = False
+            if os.environ.get("MINIGPT_TEST_FRESH_CLI") not in (None, "", "0"):
+                return False
+            requests_r, self.requests = os.pipe()
+            self.replies, replies_w = os.pipe()
+            subprocess.Popen([sys.executable, str(Path(__file__).with_name("cli_zygote.py")), str(requests_r),
+                              str(replies_w)], pass_fds=(requests_r, replies_w), env=CLI_ENV, stdin=subprocess.DEVNULL)
+            os.close(requests_r)
+            os.close(replies_w)
+            self.ready = bool((self._reply(120) or {}).get("ready"))
+        return self.ready
+
+    def _reply(self, timeout):
+        """The zygote's next reply, None after ``timeout`` seconds; raises EOFError if it is gone."""
+        import select
+        import time
+
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buffer:
+            if not select.select([self.replies], [], [], max(deadline - time.monotonic(), 0))[0]:
+                return None
+            chunk = os.read(self.replies, 1 << 16)
+            if not chunk:
+                self.ready = False
+                raise EOFError("the CLI zygote exited")
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, command, stdin, timeout):
+        import locale
+
+        with tempfile.TemporaryDirectory() as tmp:
+            paths = {name: os.path.join(tmp, name) for name in ("stdin", "stdout", "stderr")}
+            for name, path in paths.items():
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(stdin if name == "stdin" and stdin is not None else "")
+            request = {"args": command[3:], "cwd": os.getcwd(), "env": CLI_ENV, **paths}
+            os.write(self.requests, (json.dumps(request) + "\n").encode())
+            pid = self._reply(60)["pid"]
+            reply = self._reply(timeout)
+            if reply is None:
+                os.kill(pid, 9)
+                self._reply(60)
+                raise subprocess.TimeoutExpired(command, timeout)
+            encoding = locale.getpreferredencoding(False)
+            out = [Path(paths[name]).read_bytes().decode(encoding).replace("\r\n", "\n").replace("\r", "\n")
+                   for name in ("stdout", "stderr")]
+        return subprocess.CompletedProcess(command, reply["returncode"], *out)
+
+
+_zygote = _Zygote()
 
 
 def assert_one_line_error(proc, *fragments):
