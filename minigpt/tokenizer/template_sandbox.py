@@ -262,7 +262,11 @@ def _checked_filter(name: str, f: Callable) -> Callable:
 
     @functools.wraps(f)  # keeps jinja_pass_arg
     def run(*args: Any, **kwargs: Any) -> Any:
-        if estimate is not None and _BUDGET.get() is not None and len(args) > skip:
+        if _BUDGET.get() is None:
+            # Jinja's compiler calls filters of constants to fold them, outside any render and its bounds:
+            # `"x"|center(10**10)` took 40 GB while the template compiled. Refused, the filter runs at render time.
+            raise RuntimeError(f"the filter '{name}' runs only inside a render")
+        if estimate is not None and len(args) > skip:
             if name in _MATERIALIZE and isinstance(args[skip], Iterator):
                 args = (*args[:skip], list(args[skip]), *args[skip + 1:])
             _grow(estimate(*args[skip:], **kwargs), f"a value with the filter '{name}'")
@@ -282,7 +286,8 @@ def environment():
     """A sandboxed Jinja environment for chat templates: ``transformers``' conventions (``trim_blocks``,
     ``lstrip_blocks``, ``loopcontrols``, ``raise_exception``, a ``tojson`` that does not escape HTML,
     ``strftime_now``), the ``{% generation %}`` tag (its body between :data:`OPEN_MARK` and :data:`CLOSE_MARK`),
-    and the bounds of this module, applied inside :func:`render_bounds`."""
+    and the bounds of this module, applied inside :func:`render_bounds`; its filters run only there (so Jinja's
+    compiler does not fold a filter of constants, unbounded, while a template compiles)."""
     import jinja2
     from jinja2 import nodes
     from jinja2.ext import Extension, loopcontrols

@@ -83,6 +83,18 @@ def test_other_filters_and_methods_are_checked_after_the_call(monkeypatch):
         render('{{ ("ß" * 600).upper()|length }}')  # "SS" for each "ß"
 
 
+def test_filters_of_constants_are_not_run_while_the_template_compiles():
+    """Jinja folds a filter of constants at compile time, outside any render: `"x"|center(3 * 10**9)` asked for
+    12 GB (a MemoryError) as the model's template compiled. It now compiles at once and is stopped when rendered."""
+    from jinja2.exceptions import SecurityError
+
+    template = environment().from_string('{{ "x"|center(3000000000) }}')
+    with pytest.raises(SecurityError, match="the filter 'center' of 3,000,000,000 characters"):
+        with render_bounds(MESSAGES):
+            template.render(messages=MESSAGES)
+    assert render('{{ "ab"|upper ~ "c"|center(3) }}') == "AB c "
+
+
 def test_macros_calling_themselves_count_against_the_loop_budget(monkeypatch):
     """2^40 calls of a macro that calls itself twice, and prints nothing: it ran for days."""
     from jinja2.exceptions import SecurityError
