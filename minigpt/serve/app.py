@@ -1,8 +1,7 @@
 """``minigpt serve``: an OpenAI-compatible HTTP API (FastAPI + uvicorn) in front of the continuous-batching
 :class:`~minigpt.infer.engine.Engine`.
 
-Endpoints (request and response shapes follow OpenAI's public API reference for the legacy Completions and the
-Chat Completions endpoints):
+Endpoints (shapes of OpenAI's public API reference for the legacy Completions and Chat Completions endpoints):
 
 * ``POST /v1/completions``, ``POST /v1/chat/completions``: JSON answers, or Server-Sent Events with
   ``"stream": true`` (one ``data: {chunk}`` per piece of text, ending with ``data: [DONE]``);
@@ -11,15 +10,14 @@ Chat Completions endpoints):
 
 Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with these statuses: 400 invalid
 request (malformed JSON, wrong type or range, unknown or unsupported field, unknown model, prompt or ``max_tokens``
-beyond the context), 401 missing or wrong API key, 404 unknown path, 405 wrong method, 413 body too large, 415 not
-sent as JSON, 429 wait queue full, 500 a failure inside the generation, 503 shutting down, 504 the request timed
-out. The fields each endpoint accepts and how they are checked: :mod:`minigpt.serve.schemas`.
+beyond the context, a text the model's tokenizer gives up on), 401 missing or wrong API key, 404 unknown path, 405
+wrong method, 413 body too large, 415 not JSON, 429 wait queue full, 500 a failure inside the generation, 503
+shutting down, 504 the request timed out. Each endpoint's fields and their checks: :mod:`minigpt.serve.schemas`.
 
-Only reading the body happens on the event loop: parsing, validation and tokenization run in a small thread pool
-(``minigpt-prepare-N`` threads), so a large request never holds up ``/health`` or the streams of others. A client
-that disconnects cancels its generation at the engine's next step, streamed or not. On SIGTERM the engine drains
-for ``shutdown_timeout`` seconds, then cancels what still runs: those streams end with an error event and
-``data: [DONE]``.
+Only reading the body happens on the event loop; parsing, validation and tokenization run in a small thread pool
+(``minigpt-prepare-N``), so a large request never holds up ``/health`` or other streams. A client that disconnects
+cancels its generation at the engine's next step. On SIGTERM the engine drains for ``shutdown_timeout`` seconds, then
+cancels what still runs: those streams end with an error event and ``data: [DONE]``.
 """
 from __future__ import annotations
 
@@ -74,7 +72,7 @@ from minigpt.serve.schemas import (
 )
 from minigpt.serve.tools import parse_messages, prepare_structured
 from minigpt.tokenizer.chat_template import ChatTemplate, TemplateRejected
-from minigpt.tokenizer.tokenizer import Tokenizer
+from minigpt.tokenizer.tokenizer import InvalidText, Tokenizer
 
 log = logging.getLogger("minigpt.serve.app")
 
@@ -151,9 +149,8 @@ class ServerState:
 
     def refuse_long(self, text: str, param: str) -> None:
         """400 for a text with more tokens than the context, found without tokenizing all of it: growing prefixes
-        (8 characters per token of context, then 4 times longer each time) are tokenized until one has more tokens
-        than the context. The tokenizers hold the GIL, so tokenizing a 4 MB prompt in full would stall the event
-        loop for seconds; this bounds the work by the context instead."""
+        (8 characters per token of context, then 4 times longer each time) until one has more tokens than the
+        context. The tokenizers hold the GIL: a 4 MB prompt in full stalled the event loop for seconds."""
         limit = self.engine.max_seq_len
         n = 8 * limit
         while n < len(text):
@@ -284,7 +281,10 @@ def create_app(state: ServerState, drain_timeout: float = 0.0, start_worker: boo
         state.check_auth(request)
         check_content_type(request)
         raw = await read_body(request, state.max_body_bytes)
-        return await asyncio.get_running_loop().run_in_executor(pool, parse, raw)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool, parse, raw)
+        except InvalidText as e:  # only the model's tokenizer giving up on a text: the body's text is checked
+            raise bad_request(str(e)) from None
 
     def submit(jobs: list[Prepared], param: str):
         """Submit the ``n`` requests of each job (choice ``j`` of job ``k`` seeded ``seed + j``, as that prompt

@@ -35,6 +35,7 @@ from minigpt.errors import MiniGPTError, one_line, shown_json
 from minigpt.tokenizer.interop import build_tokenizer, vocab_from_file
 from minigpt.tokenizer.roles import TokenRoles
 from minigpt.tokenizer.template_sandbox import CLOSE_MARK, OPEN_MARK, environment, render_bounds
+from minigpt.tokenizer.text import backend_errors
 from minigpt.tokenizer.tokenizer import InvalidText, Tokenizer, check_text
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -353,23 +354,26 @@ class ChatTemplate:
         """Token ids of the rendered ``messages`` (no BOS/EOS beyond what the template writes), as
         ``AutoTokenizer.apply_chat_template(messages, tools=tools, tokenize=True)``. Raises :class:`InvalidText`
         when the rendered text is not valid UTF-8 (the tools, say), besides what :meth:`render` raises."""
-        text = self.render(messages, add_generation_prompt, tools)
-        check_text(text)
-        return self._hf.encode(text, add_special_tokens=False).ids
+        return self._encode(self.render(messages, add_generation_prompt, tools)).ids
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of plain ``text`` with the added tokens recognised, as ``transformers``'
         ``tokenizer(text, add_special_tokens=False)`` (TRL tokenizes non-conversational prompts this way). Raises
         :class:`InvalidText` when ``text`` is not valid UTF-8."""
+        return self._encode(text).ids
+
+    def _encode(self, text: str):
+        """The back end's encoding of ``text``; :class:`InvalidText` for text that is not UTF-8 or that the back
+        end gives up on (:class:`~minigpt.tokenizer.text.TokenizerFailed`)."""
         check_text(text)
-        return self._hf.encode(text, add_special_tokens=False).ids
+        with backend_errors():
+            return self._hf.encode(text, add_special_tokens=False)
 
     def encode_with_mask(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[bool]]:
         """``(ids, assistant_mask)``: the ids of the whole conversation and, per token, whether it belongs to an
         assistant turn. A token counts when its characters overlap a span (``transformers`` maps a span's first
         and last characters to tokens the same way, ``char_to_token``)."""
         text, spans = self.render_with_spans(messages)
-        check_text(text)
-        encoding = self._hf.encode(text, add_special_tokens=False)
+        encoding = self._encode(text)
         mask = [any(s < end and e > start for start, end in spans) for s, e in encoding.offsets]
         return encoding.ids, mask

@@ -31,6 +31,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Union
 from minigpt.errors import MiniGPTError, one_line, os_error_from
 from minigpt.tokenizer import roles as roles_mod
 from minigpt.tokenizer.roles import UNSET, TokenRoles
+from minigpt.tokenizer.text import InvalidText, TokenizerFailed, backend_errors, check_text  # noqa: F401 (re-exported)
 
 PathLike = Union[str, Path]
 
@@ -48,27 +49,6 @@ MAX_VOCAB_SIZE = 2**32
 
 class TokenizerMissing(MiniGPTError):
     """A model source has no tokenizer at all (as opposed to one that cannot be read)."""
-
-
-class InvalidText(MiniGPTError, ValueError):
-    """Text that is not valid Unicode, so no tokenizer can encode it: it holds lone surrogates, which is how Python
-    carries bytes that are not UTF-8 (a command-line argument or piped input, decoded with ``surrogateescape``)."""
-
-
-def check_text(text: str) -> None:
-    """Raise :class:`InvalidText` when ``text`` cannot be encoded as UTF-8 (it holds a lone surrogate); the message
-    names the first offending byte (U+DC80..U+DCFF: an undecodable input byte) or code point, and its position."""
-    if text.isascii():
-        return
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        code = ord(text[e.start])
-        if 0xDC80 <= code <= 0xDCFF:
-            raise InvalidText(f"the text is not valid UTF-8 (byte 0x{code - 0xDC00:02x} at position {e.start}); "
-                              "give it in UTF-8 (e.g. convert it with iconv)") from None
-        raise InvalidText(f"the text is not valid Unicode (a lone surrogate U+{code:04X} at position {e.start}); "
-                          "surrogates must come in pairs") from None
 
 
 def check_vocab_size(vocab_size: Any, name: str = "vocab_size") -> None:
@@ -371,16 +351,17 @@ class Tokenizer:
         Raises:
             ValueError: ``bos``/``eos`` requested but the tokenizer has no such token.
             InvalidText: ``text`` is not valid UTF-8 (a :class:`MiniGPTError` and a ``ValueError``; checked before
-                the back end sees it).
+                the back end sees it), or :class:`TokenizerFailed` (one) when the back end gives up on it.
         """
         check_text(text)
-        if special:
-            ids = self._encode_special(text)
-        elif self._sp is not None:
-            ids = self._sp.encode(text)
-        else:
-            # add_special_tokens=False: a foreign tokenizer.json's post-processor must not add its own BOS/EOS.
-            ids = self._hf.encode(text, add_special_tokens=False).ids
+        with backend_errors():
+            if special:
+                ids = self._encode_special(text)
+            elif self._sp is not None:
+                ids = self._sp.encode(text)
+            else:
+                # add_special_tokens=False: a foreign tokenizer.json's post-processor must not add its own BOS/EOS.
+                ids = self._hf.encode(text, add_special_tokens=False).ids
         if bos:
             ids.insert(0, self._require(self._bos_id, "bos"))
         if eos:
@@ -424,7 +405,8 @@ class Tokenizer:
         if self._sp is not None:
             return self._sp.encode(texts)
         batch = getattr(self._hf, "encode_batch_fast", None) or self._hf.encode_batch  # _fast skips offsets
-        return [e.ids for e in batch(texts, add_special_tokens=False)]
+        with backend_errors():
+            return [e.ids for e in batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``, special tokens included as text. Bytes that do not form complete UTF-8 characters
