@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from conftest import TINY_MODEL
+from conftest import TINY_MODEL, random_model
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
        "PYTHONUNBUFFERED": "1"}
@@ -138,6 +138,32 @@ class InProcessServer:
                 raise RuntimeError("in-process server did not start")
             time.sleep(0.05)
 
+    @classmethod
+    def for_model_dir(cls, path: Path) -> "InProcessServer":
+        """A server of a random :data:`TINY_MODEL` with the tokenizer and chat template of the folder ``path``,
+        one request at a time, one thread."""
+        from minigpt.checkpoint.native import load_chat_template, load_tokenizer
+        from minigpt.infer.engine import Engine
+        from minigpt.serve.app import ServerState
+
+        torch.set_num_threads(1)
+        tok = load_tokenizer(path)
+        model = random_model(TINY_MODEL, vocab_size=tok.vocab_size)
+        return cls(ServerState(Engine(model, tok, max_batch_size=1), tok, "m", chat_template=load_chat_template(path)))
+
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+    def post(self, path: str, body: dict) -> tuple[int, dict]:
+        """``(status, JSON answer)`` of a JSON POST to ``path``."""
+        import http.client
+        import json
+
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            return r.status, json.loads(r.read())
+        finally:
+            conn.close()

@@ -2,17 +2,13 @@
 ``tokenizers`` back end stops at Oniguruma's retry limit and raises a Rust panic, pyo3's PanicException, which is a
 BaseException. It went past every ``except Exception``: a traceback from the command line, a 500 (or a dead
 connection) from the server. It is now a TokenizerFailed (an InvalidText): one error line, a 400."""
-import http.client
 import json
 
 import pytest
-import torch
 from conftest import TINY_MODEL, random_model, run_cli
 from serve.serve_helpers import InProcessServer
 
 from minigpt.checkpoint.native import load_chat_template, load_tokenizer, save_pretrained
-from minigpt.infer.engine import Engine
-from minigpt.serve.app import ServerState
 from minigpt.tokenizer.chat_template import CHATML_TEMPLATE, IM_END, IM_START, ChatTemplate, add_special_tokens
 from minigpt.tokenizer.tokenizer import InvalidText, TokenizerFailed, train_tokenizer
 
@@ -61,20 +57,10 @@ def test_generate_ends_in_one_error_line_and_no_traceback(model_dir):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": HOSTILE_TEXT}], "max_tokens": 2}),
 ])
 def test_server_answers_400_with_an_openai_error_and_keeps_serving(model_dir, path, body):
-    torch.set_num_threads(1)
-    tok = load_tokenizer(model_dir)
-    model = random_model(TINY_MODEL, vocab_size=tok.vocab_size)
-    srv = InProcessServer(ServerState(Engine(model, tok, max_batch_size=1), tok, "m",
-                                      chat_template=load_chat_template(model_dir)))
+    srv = InProcessServer.for_model_dir(model_dir)
     try:
-        answers = []
-        for sent in (body, {**body, "prompt": "the cat"} if "prompt" in body else
-                     {**body, "messages": [{"role": "user", "content": "the cat"}]}):
-            conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
-            conn.request("POST", path, body=json.dumps(sent), headers={"Content-Type": "application/json"})
-            r = conn.getresponse()
-            answers.append((r.status, json.loads(r.read())))
-            conn.close()
+        answers = [srv.post(path, sent) for sent in (body, {**body, "prompt": "the cat"} if "prompt" in body else
+                                                     {**body, "messages": [{"role": "user", "content": "the cat"}]})]
     finally:
         srv.stop()
     (status, answer), (after, _) = answers

@@ -2,22 +2,18 @@
 template that raises while rendering (``{{ 1/0 }}``), a ``chat_template`` that is not a string (and Hugging Face's
 list of named templates, which is supported), a special token that is not a string, and text that is not UTF-8
 (bytes from the command line or a pipe, which Python carries as lone surrogates)."""
-import http.client
 import json
 import random
 import subprocess
 import sys
 
 import pytest
-import torch
 from conftest import CLI_ENV, QWEN_TOOLS_TEMPLATE, TINY_MODEL, assert_one_line_error, random_model, run_cli
 from serve.serve_helpers import InProcessServer
 
 from minigpt.checkpoint.convert import export_gguf
 from minigpt.checkpoint.native import load_chat_template, load_tokenizer, save_pretrained
 from minigpt.errors import MiniGPTError
-from minigpt.infer.engine import Engine
-from minigpt.serve.app import ServerState
 from minigpt.tokenizer.chat_template import (
     CHATML_TEMPLATE,
     IM_END,
@@ -133,18 +129,9 @@ def test_generate_chat_with_a_raising_template_is_a_one_line_error(tmp_path):
 
 def test_server_answers_a_raising_template_with_400_and_an_openai_error(tmp_path):
     path = model_dir(tmp_path / "m", {"chat_template": ZERO_DIVISION})
-    torch.set_num_threads(1)
-    tok = load_tokenizer(path)
-    model = random_model(TINY_MODEL, vocab_size=tok.vocab_size)
-    srv = InProcessServer(ServerState(Engine(model, tok, max_batch_size=1), tok, "m",
-                                      chat_template=load_chat_template(path)))
+    srv = InProcessServer.for_model_dir(path)
     try:
-        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
-        conn.request("POST", "/v1/chat/completions", body=json.dumps({"messages": HI, "max_tokens": 2}),
-                     headers={"Content-Type": "application/json"})
-        r = conn.getresponse()
-        status, answer = r.status, json.loads(r.read())
-        conn.close()
+        status, answer = srv.post("/v1/chat/completions", {"messages": HI, "max_tokens": 2})
     finally:
         srv.stop()
     assert status == 400, answer
