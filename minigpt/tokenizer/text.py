@@ -14,10 +14,11 @@ class InvalidText(MiniGPTError, ValueError):
 
 
 class TokenizerFailed(InvalidText):
-    """The tokenizer's back end gave up on this text. A pre-tokenizer pattern (a ``Split`` regex of a
-    ``tokenizer.json``) that backtracks without end, e.g. ``^(a+)+$``, stops at Oniguruma's retry limit on some
-    texts, which ``tokenizers`` raises as a Rust panic: pyo3's ``PanicException``, a ``BaseException`` that no
-    ``except Exception`` catches (the server answered 500, the command line printed a traceback)."""
+    """The tokenizer's back end gave up on this text (or these ids). A pattern of a ``tokenizer.json`` that
+    backtracks without end (a pre-tokenizer's ``Split`` regex such as ``^(a+)+$``, a normalizer's or decoder's
+    ``Replace``) stops at Oniguruma's retry limit on some texts, which ``tokenizers`` raises as a Rust panic: pyo3's
+    ``PanicException``, a ``BaseException`` that no ``except Exception`` catches (the server answered 500, or its
+    worker thread died; the command line printed a traceback)."""
 
 
 def check_text(text: str) -> None:
@@ -37,12 +38,15 @@ def check_text(text: str) -> None:
 
 
 @contextmanager
-def backend_errors() -> Iterator[None]:
-    """Around a call of the ``tokenizers`` back end: its Rust panics raised as :class:`TokenizerFailed`."""
+def backend_errors(what: str = "encode this text") -> Iterator[None]:
+    """Around a call of the ``tokenizers`` back end: its Rust panics raised as :class:`TokenizerFailed` ("the
+    tokenizer cannot ``what``: ..."). Besides a pattern at its retry limit (a pre-tokenizer's, a normalizer's or a
+    decoder's), a ``tokenizer.json`` part that names what the file lacks (a post-processor's unknown special token)
+    panics the same way."""
     try:
         yield
     except BaseException as e:
         if type(e).__name__ != "PanicException":
             raise
-        raise TokenizerFailed(f"the tokenizer cannot encode this text: {one_line(e)} (a pre-tokenizer pattern of "
-                              "its tokenizer.json that backtracks without end?)") from None
+        raise TokenizerFailed(f"the tokenizer cannot {what}: {one_line(e)} (its tokenizer.json has a pattern that "
+                              "backtracks without end, or names what it lacks)") from None

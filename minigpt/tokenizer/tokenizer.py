@@ -412,12 +412,14 @@ class Tokenizer:
         """Text of ``ids``, special tokens included as text. Bytes that do not form complete UTF-8 characters
         decode to U+FFFD (one per byte for byte-level BPE). Ids outside the vocabulary decode to nothing, on both
         back ends (Hugging Face ``tokenizers`` skips them; SentencePiece would raise): a model's embedding is often
-        padded past its tokenizer's vocabulary, and a generation that samples a padding row must not crash."""
+        padded past its tokenizer's vocabulary, and a generation that samples a padding row must not crash.
+        Raises :class:`TokenizerFailed` when the back end gives up (a decoder pattern at its retry limit)."""
         n = self.vocab_size
         ids = [i for i in map(int, ids) if 0 <= i < n]
         if self._sp is not None:
             return self._sp.decode(ids)
-        return self._hf.decode(ids, skip_special_tokens=False)
+        with backend_errors("decode these tokens"):
+            return self._hf.decode(ids, skip_special_tokens=False)
 
     @staticmethod
     def _require(i: Optional[int], what: str) -> int:

@@ -10,7 +10,7 @@ from serve.serve_helpers import InProcessServer
 
 from minigpt.checkpoint.native import load_chat_template, load_tokenizer, save_pretrained
 from minigpt.tokenizer.chat_template import CHATML_TEMPLATE, IM_END, IM_START, ChatTemplate, add_special_tokens
-from minigpt.tokenizer.tokenizer import InvalidText, TokenizerFailed, train_tokenizer
+from minigpt.tokenizer.tokenizer import InvalidText, Tokenizer, TokenizerFailed, train_tokenizer
 
 BACKTRACKING = {"type": "Split", "pattern": {"Regex": "^(a+)+$"}, "behavior": "Isolated", "invert": False}
 HOSTILE_TEXT = "a" * 40 + "!"  # past the retry limit for this pattern; "a" * 10 + "!" is not
@@ -36,6 +36,41 @@ def test_encode_and_encode_batch_raise_tokenizer_failed(model_dir):
         with pytest.raises(TokenizerFailed, match="the tokenizer cannot encode this text: .*retry-limit") as e:
             call()
         assert isinstance(e.value, InvalidText) and "\n" not in str(e.value)
+
+
+def test_a_normalizer_pattern_fails_the_same_way(model_dir, tmp_path):
+    config = json.loads((model_dir / "tokenizer.json").read_text())
+    config.update(pre_tokenizer=None, normalizer={"type": "Replace", "pattern": {"Regex": "(a+)+$"}, "content": "b"})
+    (tmp_path / "tokenizer.json").write_text(json.dumps(config))
+    with pytest.raises(TokenizerFailed, match="cannot encode this text: .*retry-limit"):
+        Tokenizer.from_file(tmp_path / "tokenizer.json").encode(HOSTILE_TEXT)
+
+
+class PanicException(BaseException):
+    """Stands for pyo3's, which only a real panic makes: recognised by its name, as the back end's is."""
+
+
+def test_a_panic_while_decoding_is_tokenizer_failed_and_other_base_exceptions_pass(model_dir, monkeypatch):
+    """Decoding runs in the server's stop checks, on its worker thread: a panic there ended the worker."""
+    tok = load_tokenizer(model_dir)
+    ids, real = tok.encode("the cat"), tok._hf
+
+    def backend(decode):  # the real back end, but for decode
+        return type("Backend", (), {"decode": staticmethod(decode), "__getattr__": lambda _, n: getattr(real, n)})()
+
+    def panics(*args, **kwargs):
+        raise PanicException("no entry found for key")
+
+    monkeypatch.setattr(tok, "_hf", backend(panics))
+    with pytest.raises(TokenizerFailed, match="cannot decode these tokens: no entry found for key"):
+        tok.decode(ids)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tok, "_hf", backend(interrupted))
+    with pytest.raises(KeyboardInterrupt):
+        tok.decode(ids)
 
 
 def test_a_chat_prompt_raises_tokenizer_failed(model_dir):
