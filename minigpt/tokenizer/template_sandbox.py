@@ -16,12 +16,14 @@ asks for 40 GB. So one render (inside :func:`render_bounds`) may
   filters ``center``, ``indent``, ``replace``, ``join``, ``format``, ``wordwrap``, ``batch``, ``slice``, ``sum``,
   ``tojson``, ``string``, ``lipsum()``, and printing a list) its size is estimated *before* it runs; every other
   filter and method has its result checked after, so no chain of them grows far past the limit;
-- make :data:`WORK_FACTOR` times the value limit in characters in all (every checked result counts);
+- work through :data:`WORK_FACTOR` times the value limit in characters (items) in all: every checked result
+  counts, and so does the length of what a filter or a method of a string, list or dict is given and of the right
+  side of ``in``, ``not in``, ``==`` and ``!=`` (``{% if "b" in s %}`` over a long ``s`` in a long loop ran for
+  hours, reading ``s`` each time), an item counting :data:`ITEM_WORK` characters;
 - make no integer wider than :data:`INT_BITS_LIMIT` bits with ``*`` or ``**`` (``9 ** 10**10`` runs for hours).
 
 A template past a bound raises Jinja's ``SecurityError``, which :class:`minigpt.tokenizer.chat_template.ChatTemplate`
-reports as the template's fault. Not bounded: the time of comparisons such as ``x in a_long_list`` inside a long
-loop (linear each, so at most the loop budget times the list's length).
+reports as the template's fault.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ VALUE_FLOOR = 4_000_000
 VALUE_FACTOR = 4
 WORK_FACTOR = 256
 INT_BITS_LIMIT = 1 << 16
+ITEM_WORK = 64
 
 
 @dataclass
@@ -117,10 +120,25 @@ def _grow(size: int, what: str) -> None:
     if size > budget.value_limit:
         raise _security_error(f"the template makes {what} of {size:,} characters, past the limit of "
                               f"{budget.value_limit:,} for these messages")
-    budget.work_left -= size
-    if budget.work_left < 0:
-        raise _security_error(f"the template makes more than {WORK_FACTOR * budget.value_limit:,} characters of "
-                              "strings in one render (a loop that would not end?)")
+    _work(size)
+
+
+def _work(size: int) -> None:
+    """Account for ``size`` characters (items) made, or read through by a filter, method or comparison."""
+    budget = _BUDGET.get()
+    if budget is not None:
+        budget.work_left -= size
+        if budget.work_left < 0:
+            raise _security_error(f"the template works through more than {WORK_FACTOR * budget.value_limit:,} "
+                                  "characters or items in one render (a loop that would not end?)")
+
+
+def _length(value: Any) -> int:
+    """The work of reading ``value`` through: a character of a string is 1 (C reads it), an item of a list, tuple,
+    dict or set :data:`ITEM_WORK` (a filter such as ``select`` spends a Python call on each)."""
+    if isinstance(value, str):
+        return len(value)
+    return ITEM_WORK * len(value) if isinstance(value, (list, tuple, dict, set, frozenset)) else 0
 
 
 def _measure(value: Any) -> int:
@@ -266,6 +284,8 @@ def _checked_filter(name: str, f: Callable) -> Callable:
             # Jinja's compiler calls filters of constants to fold them, outside any render and its bounds:
             # `"x"|center(10**10)` took 40 GB while the template compiled. Refused, the filter runs at render time.
             raise RuntimeError(f"the filter '{name}' runs only inside a render")
+        if len(args) > skip:
+            _work(_length(args[skip]))  # a filter reads what it is given: `x|length` in a loop is its length each
         if estimate is not None and len(args) > skip:
             if name in _MATERIALIZE and isinstance(args[skip], Iterator):
                 args = (*args[:skip], list(args[skip]), *args[skip + 1:])
@@ -311,7 +331,16 @@ def environment():
 
     class Checked(NodeTransformer):
         """Every for loop iterates through the counting filter, whatever it loops over; every ``a ~ b`` joins
-        through the measuring one."""
+        through the measuring one; the right side of ``in``, ``not in``, ``==`` and ``!=`` (linear in its length)
+        goes through the one that counts it as work."""
+
+        def visit_Compare(self, node):
+            node = self.generic_visit(node)
+            for operand in node.ops:
+                if operand.op in ("in", "notin", "eq", "ne"):
+                    operand.expr = nodes.Filter(operand.expr, "minigpt_scanned", [], [], None, None,
+                                                lineno=node.lineno)
+            return node
 
         def visit_For(self, node):
             node = self.generic_visit(node)
@@ -346,6 +375,7 @@ def environment():
             elif isinstance(__obj, Macro):
                 _count_loop()
             owner, name = getattr(__obj, "__self__", None), getattr(__obj, "__name__", "")
+            _work(_length(owner))  # a method of a string, list or dict reads it: `s.count("x")`, `l.index(x)`
             if isinstance(owner, str) and name in _STR_METHODS and _BUDGET.get() is not None:
                 if name == "join" and args and not isinstance(args[0], (list, tuple)):
                     args = (list(args[0]), *args[1:])
@@ -414,6 +444,10 @@ def environment():
         _grow(sum(map(len, texts)), "a string with ~")
         return "".join(texts)
 
+    def scanned(value):
+        _work(_length(value))
+        return value
+
     def lipsum(n=5, html=True, min=20, max=100):
         _grow(int(n) * int(max) * 16, "lorem ipsum")
         return generate_lorem_ipsum(n, html, min, max)
@@ -424,6 +458,7 @@ def environment():
     env.filters = {name: _checked_filter(name, f) for name, f in env.filters.items()}
     env.filters["minigpt_counted"] = counted
     env.filters["minigpt_concat"] = concat_filter
+    env.filters["minigpt_scanned"] = scanned
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     env.globals["range"] = budget_range

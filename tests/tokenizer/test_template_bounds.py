@@ -95,6 +95,23 @@ def test_filters_of_constants_are_not_run_while_the_template_compiles():
     assert render('{{ "ab"|upper ~ "c"|center(3) }}') == "AB c "
 
 
+@pytest.mark.parametrize("source", [
+    '{% set s = "a" * 999999 %}{% for c in s %}{% if "b" in s %}{% endif %}{% endfor %}',
+    '{% set s = "a" * 999999 %}{% for c in s %}{% if s == s ~ "" %}{% endif %}{% endfor %}',
+    '{% set s = "a" * 999999 %}{% for c in s %}{{ s.count("b") }}{% endfor %}',
+    '{% set s = ["a"] * 999999 %}{% for c in s %}{{ s|select("equalto", "b")|list|length }}{% endfor %}',
+])
+def test_reading_a_long_value_in_a_long_loop_counts_as_work(source, monkeypatch):
+    """Within the loop budget (999,999 iterations), each reads 999,999 characters or items: 10^12 steps, hours.
+    Counted as work, the render stops after at most 1,000 iterations; with the work budget lowered 16 times here,
+    after at most 64, so that the test is quick (Python's `select` spends about 0.5 s on each pass over the list)."""
+    from jinja2.exceptions import SecurityError
+
+    monkeypatch.setattr(template_sandbox, "WORK_FACTOR", 16)
+    with pytest.raises(SecurityError, match="works through more than 64,000,000 characters or items"):
+        render(source)
+
+
 def test_macros_calling_themselves_count_against_the_loop_budget(monkeypatch):
     """2^40 calls of a macro that calls itself twice, and prints nothing: it ran for days."""
     from jinja2.exceptions import SecurityError
