@@ -74,9 +74,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     device = pick_device(args.device)
     options = dict(device=device, dtype=DTYPES[args.dtype], quantize=args.quantize, compile=args.compile,
                    compile_mode=args.compile_mode, fast=not args.no_fast, aoti=args.compile)
+    # Built before the weights load so that a bad sampling flag fails at once; max_tokens is settled (below) once
+    # the prompts are encoded and the context's room is known.
     params = SamplingParams(max_tokens=args.max_new_tokens or DEFAULT_NEW_TOKENS, temperature=args.temperature,
-                            top_k=args.top_k,
-                            top_p=args.top_p, stop=tuple(args.stop or ()), seed=args.seed)
+                            top_k=args.top_k, top_p=args.top_p, stop=tuple(args.stop or ()), seed=args.seed)
     model = load_for_inference(ckpt, adapter=args.adapter, **options)
     words = tokenizer_source(ckpt, args.adapter)  # an adapter's own tokenizer and template, with tokens it added
     tokenizer = load_tokenizer(words)

@@ -42,8 +42,9 @@ from torch.distributed.checkpoint.state_dict import (
 from minigpt.checkpoint import dcp as safe_dcp
 from minigpt.checkpoint.atomic import begin_atomic_dir, commit_atomic_dir, verify_manifest
 from minigpt.checkpoint.native import FORMAT, load_config, save_pretrained, write_model_files
-from minigpt.errors import MiniGPTError
+from minigpt.errors import MiniGPTError, json_loads
 from minigpt.model.transformer import Transformer
+from minigpt.paths import write_text_atomic
 from minigpt.tokenizer.tokenizer import Tokenizer
 from minigpt.train import distributed as dist_mod
 
@@ -149,14 +150,10 @@ def _fsync(path: Path) -> None:
 
 
 def point_latest(out_dir: Path, ckpt: Path) -> None:
-    """Atomically and durably make ``out_dir/latest`` name ``ckpt``: write a temporary file, fsync it, rename it
-    over ``latest``, fsync the directory (so a crash never leaves ``latest`` empty or pointing at a pruned one)."""
-    tmp = out_dir / ".latest.tmp"
-    with open(tmp, "w") as f:
-        f.write(str(ckpt.relative_to(out_dir)) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out_dir / "latest")
+    """Atomically and durably make ``out_dir/latest`` name ``ckpt``: :func:`~minigpt.paths.write_text_atomic`
+    (a temporary file, fsynced, renamed over ``latest``), then fsync the directory, so that a crash never leaves
+    ``latest`` empty or pointing at a pruned checkpoint."""
+    write_text_atomic(out_dir / "latest", str(ckpt.relative_to(out_dir)) + "\n")
     _fsync(out_dir)
 
 
@@ -200,9 +197,9 @@ def truncate_metrics(path: Path, step: int) -> None:
     kept = []
     for i, line in enumerate(lines):
         try:
-            row = json.loads(line)
+            row = json_loads(line)
             row_step = row["step"] if isinstance(row, dict) else None
-        except (json.JSONDecodeError, KeyError):
+        except (ValueError, KeyError):
             row_step = None
         if not isinstance(row_step, int):
             if i == len(lines) - 1:
@@ -213,9 +210,7 @@ def truncate_metrics(path: Path, step: int) -> None:
                                "delete the file to resume")
         if row_step <= step:
             kept.append(line + "\n")
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(kept))
 
 
 def _config_json(model) -> str:

@@ -158,3 +158,27 @@ def test_resume_refuses_a_corrupt_metrics_line_in_the_middle(tiny_data, tmp_path
     metrics.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"st')
     train_state.truncate_metrics(metrics, 2)
     assert metrics.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+def test_a_full_disk_while_truncating_metrics_or_pointing_latest_keeps_the_old_files(tmp_path, monkeypatch):
+    from minigpt import paths
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
+    (tmp_path / "checkpoints" / "step_0000002").mkdir(parents=True)
+    (tmp_path / "latest").write_text("checkpoints/step_0000001\n")
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(paths.os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        train_state.truncate_metrics(metrics, 2)
+    with pytest.raises(OSError, match="No space left"):
+        train_state.point_latest(tmp_path, tmp_path / "checkpoints" / "step_0000002")
+    assert metrics.read_text() == '{"step": 1}\n{"step": 2}\n{"step": 3}\n'
+    assert (tmp_path / "latest").read_text() == "checkpoints/step_0000001\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "latest", "metrics.jsonl"]
+    monkeypatch.undo()
+    train_state.point_latest(tmp_path, tmp_path / "checkpoints" / "step_0000002")
+    assert (tmp_path / "latest").read_text() == "checkpoints/step_0000002\n"
