@@ -1,5 +1,5 @@
-"""The one exception type that MiniGPT shows to users as a plain message instead of a traceback, and the helpers
-that keep its messages on one line."""
+"""The one exception type that MiniGPT shows to users as a plain message instead of a traceback, the helpers
+that keep its messages on one line, and a JSON reader whose every failure is a ``ValueError``."""
 from __future__ import annotations
 
 import errno
@@ -18,6 +18,34 @@ def one_line(e: BaseException) -> str:
     """``str(e)`` with its whitespace (newlines included) collapsed to single spaces, for one-line CLI messages;
     the exception's type name when the message is empty."""
     return " ".join(str(e).split()) or type(e).__name__
+
+
+def json_loads(text: str | bytes) -> Any:
+    """:func:`json.loads` whose every failure is a ``ValueError``, for JSON that a user, a request or a model's
+    files control: bad syntax (``json.JSONDecodeError``), an integer of more digits than Python converts (a plain
+    ``ValueError``), and nesting deeper than the interpreter's recursion limit, which ``json`` reports as a
+    ``RecursionError`` (not a ``ValueError``: it passed handlers of bad JSON; here a ``ValueError`` saying so).
+
+    Raises ``ValueError``; ``UnicodeDecodeError`` (also a ``ValueError``) for bytes that are not UTF-8."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to read (thousands of levels of [ or {)") from None
+
+
+def read_json_object(path: str | Path, what: str = "", hint: str = "") -> dict:
+    """The JSON object in the UTF-8 file ``path`` (a config a model's files or a user give).
+
+    Raises :class:`MiniGPTError` naming the file when it is not valid JSON (:func:`json_loads`) or holds another
+    JSON value than an object (``what`` says which object, e.g. `` (a PEFT LoraConfig)``); ``hint`` ends both
+    messages (how to fix it). ``OSError`` when it cannot be read."""
+    try:
+        value = json_loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise MiniGPTError(f"{path} is not valid JSON ({type(e).__name__}: {one_line(e)}){hint}") from None
+    if not isinstance(value, dict):
+        raise MiniGPTError(f"{path} must hold a JSON object{what}, not {type(value).__name__}{hint}")
+    return value
 
 
 def shown_json(value: Any, limit: int = 60) -> str:

@@ -26,13 +26,12 @@ Every number is a closed-form count from :class:`~minigpt.model.config.ModelConf
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from minigpt.checkpoint.native import load_config
-from minigpt.errors import MiniGPTError
+from minigpt.errors import MiniGPTError, json_loads
 from minigpt.interop import hf
 from minigpt.model.accounting import flops_per_token, idle_expert_parameters
 from minigpt.model.config import GATED_FFNS, ModelConfig, preset
@@ -304,7 +303,7 @@ def resolve_config(preset_name: Optional[str] = None, config_path: Optional[str]
         if not path.is_file():
             raise MiniGPTError(f"config file {path} does not exist")
         text = path.read_text()
-        d = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        d = json_loads(text) if path.suffix == ".json" else yaml.safe_load(text)
         if not isinstance(d, dict):
             raise MiniGPTError(f"config file {path} must hold a mapping")
         if "architectures" in d or "model_type" in d:
@@ -313,5 +312,7 @@ def resolve_config(preset_name: Optional[str] = None, config_path: Optional[str]
             base = {"vocab_size": d["vocab_size"]} if "vocab_size" in d else {}
             return preset(preset_name or d.get("preset", "tiny"), **{**base, **(d.get("model") or {}), **overrides})
         return ModelConfig.from_dict({**{k: v for k, v in d.items() if k != "format"}, **overrides})
-    except (ValueError, TypeError, yaml.YAMLError, json.JSONDecodeError) as e:
+    except (ValueError, TypeError, yaml.YAMLError) as e:
         raise MiniGPTError(f"invalid model config: {e}") from None
+    except RecursionError:  # PyYAML reads nesting recursively
+        raise MiniGPTError(f"invalid model config: {config_path} is nested too deeply to read") from None

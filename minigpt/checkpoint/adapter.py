@@ -32,7 +32,7 @@ from torch import nn
 
 from minigpt.checkpoint.atomic import atomic_dir, save_tensors
 from minigpt.checkpoint.native import load_model
-from minigpt.errors import MiniGPTError
+from minigpt.errors import MiniGPTError, read_json_object
 from minigpt.interop.hf import from_hf_key, to_hf_key
 from minigpt.model.lora import HF_TARGETS, LoRALinear, lora_layers, merge_lora
 from minigpt.model.quant import Int8Linear
@@ -158,12 +158,7 @@ def read_adapter_config(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / CONFIG_NAME
     if not path.is_file():
         raise MiniGPTError(f"{directory} is not a PEFT adapter folder: {CONFIG_NAME} is missing")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MiniGPTError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise MiniGPTError(f"{path} must hold a JSON object (a PEFT LoraConfig), not {type(config).__name__}")
+    config = read_json_object(path, what=" (a PEFT LoraConfig)")
     if config.get("peft_type") != "LORA":
         raise MiniGPTError(f"{path}: peft_type {config.get('peft_type')!r} is not supported; only LORA")
     refused = {"use_dora": (config.get("use_dora"), False), "bias": (config.get("bias", "none"), "none"),

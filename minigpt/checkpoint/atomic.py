@@ -15,7 +15,7 @@ from typing import Iterable, Iterator, Optional
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from minigpt.errors import MiniGPTError, os_error_from
+from minigpt.errors import MiniGPTError, json_loads, os_error_from
 
 FORMAT = "minigpt"
 MANIFEST = "manifest.json"
@@ -101,8 +101,8 @@ def _unlisted(directory: Path) -> Optional[str]:
     itself when it is missing or unreadable; None when the directory holds only what :func:`commit_atomic_dir`
     wrote there."""
     try:
-        listed = json.loads((directory / MANIFEST).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        listed = json_loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
         return MANIFEST
     if not isinstance(listed, dict):
         return MANIFEST
@@ -202,8 +202,8 @@ def verify_manifest(path: str | Path) -> None:
     if not mf.is_file():
         return
     try:
-        manifest = json.loads(mf.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        manifest = json_loads(mf.read_text())
+    except ValueError as e:
         raise MiniGPTError(f"{mf} is corrupt ({e})") from None
     if not isinstance(manifest, dict) or not all(_entry_ok(name, info) for name, info in manifest.items()):
         raise MiniGPTError(f"{mf} is corrupt: expected {{relative file name: {{\"sha256\": hex, \"bytes\": size}}}}")
@@ -248,7 +248,7 @@ class _Stamps:
             st = self.file.stat()
             if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & 0o022):
                 return {}  # another user's file could vouch for a corrupt checkpoint
-            data = json.loads(self.file.read_text())
+            data = json_loads(self.file.read_text())
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) else {}

@@ -24,7 +24,7 @@ from minigpt.checkpoint.quantized import (
     materialize,
     write_tokenizer_files,
 )
-from minigpt.errors import MiniGPTError
+from minigpt.errors import MiniGPTError, read_json_object
 from minigpt.interop import hf
 from minigpt.interop.gguf import gguf_tensor_shapes, iter_gguf_weights, read_gguf, read_gguf_weights, read_vocab
 from minigpt.interop.llama2c import find_tokenizer, read_llama2c
@@ -79,13 +79,7 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         what = "is not a file" if path.exists() else "is missing"
         raise MiniGPTError(f"{path.parent} is not a model directory: {path.name} {what}")
-    try:
-        d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise MiniGPTError(f"{path} is not valid JSON ({type(e).__name__}: {e})") from None
-    if not isinstance(d, dict):
-        raise MiniGPTError(f"{path} must hold a JSON object, not {type(d).__name__}")
-    return d
+    return read_json_object(path)
 
 
 def read_weights(directory: Path) -> dict[str, torch.Tensor]:

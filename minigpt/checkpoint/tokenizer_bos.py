@@ -5,10 +5,10 @@ Evaluation harnesses encode text with the tokenizer's defaults (lm-evaluation-ha
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional
 
+from minigpt.errors import json_loads
 from minigpt.interop.gguf import read_vocab
 
 
@@ -41,8 +41,8 @@ def adds_bos(source: str | Path, tokenizer) -> bool:
 
 def _json(path: Path) -> dict:
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        value = json_loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return {}
     return value if isinstance(value, dict) else {}
 

@@ -24,7 +24,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         if "=" not in item:
             raise MiniGPTError(f"--set expects FIELD=VALUE, got {item!r}")
         key, value = item.split("=", 1)
-        overrides[key.removeprefix("model.")] = parse_value(value)
+        overrides[key.removeprefix("model.")] = parse_value(value, f"--set {key}")
     config = resolve_config(args.preset, args.config, overrides)
     try:
         request = EstimateRequest(batch=args.batch, context=args.context, train_batch=args.train_batch,

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
+from minigpt.errors import MiniGPTError, one_line
+
 
 def add_command(sub, name: str, func: Callable, **kw) -> argparse.ArgumentParser:
     """A sub-command ``name`` running ``func(args)``; its help and description are ``func``'s docstring."""
@@ -26,8 +28,24 @@ def positive_int(text: str) -> int:
     return value
 
 
-def parse_value(text: str) -> Any:
-    """A ``--set KEY=VALUE`` value as YAML reads it (numbers, booleans, lists; else the string)."""
+def parse_value(text: str, what: str = "--set value") -> Any:
+    """A ``--set KEY=VALUE`` value as YAML reads it (numbers, booleans, lists; else the string).
+
+    Raises :class:`MiniGPTError` naming ``what`` (:func:`parse_yaml`)."""
+    return parse_yaml(text, what)
+
+
+def parse_yaml(text: str, what: str) -> Any:
+    """``text`` read by ``yaml.safe_load``. Raises :class:`MiniGPTError` naming ``what`` (a file, a flag) for
+    invalid YAML, for nesting thousands of levels deep (PyYAML's recursive reader then raises ``RecursionError``)
+    and for an integer of more digits than Python converts."""
     import yaml
 
-    return yaml.safe_load(text)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise MiniGPTError(f"{what} is not valid YAML: {str(e).splitlines()[0]}") from None
+    except RecursionError:
+        raise MiniGPTError(f"{what} is nested too deeply to read") from None
+    except ValueError as e:
+        raise MiniGPTError(f"{what} is not usable YAML: {one_line(e)}") from None

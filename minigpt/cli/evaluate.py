@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from minigpt.cli.common import add_command
-from minigpt.errors import MiniGPTError
+from minigpt.errors import MiniGPTError, json_loads
 from minigpt.paths import check_file_path, write_output
 
 
@@ -37,8 +37,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     reference = None
     if args.reference:
         try:
-            reference = json.loads(Path(args.reference).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            reference = json_loads(Path(args.reference).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
             raise MiniGPTError(f"cannot read --reference {args.reference}: {e}") from None
         results = reference.get("results") if isinstance(reference, dict) else None
         # The report reads it only after the evaluation: a wrong shape ended that in a traceback.

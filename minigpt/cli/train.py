@@ -7,22 +7,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from minigpt.cli.common import add_command, parse_value, positive_int
+from minigpt.cli.common import add_command, parse_value, parse_yaml, positive_int
 from minigpt.errors import MiniGPTError
 from minigpt.paths import check_dir_path, remove_created
 
 
 def read_config_file(path_text: str) -> dict[str, Any]:
     """The options mapping of a ``--config`` YAML file; a missing, invalid or non-mapping file is a one-line error."""
-    import yaml
-
     path = Path(path_text)
     if not path.is_file():
         raise MiniGPTError(f"config file {path} does not exist")
-    try:
-        options = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise MiniGPTError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    options = parse_yaml(path.read_text(), f"config file {path}") or {}
     if not isinstance(options, dict):
         raise MiniGPTError(f"config file {path} must hold a mapping of options")
     return options
@@ -35,9 +30,9 @@ def apply_sets(options: dict[str, Any], items: list[str] | None) -> dict[str, An
             raise MiniGPTError(f"--set expects KEY=VALUE, got {item!r}")
         key, value = item.split("=", 1)
         if key.startswith("model."):
-            options.setdefault("model", {})[key[len("model."):]] = parse_value(value)
+            options.setdefault("model", {})[key[len("model."):]] = parse_value(value, f"--set {key}")
         else:
-            options[key] = parse_value(value)
+            options[key] = parse_value(value, f"--set {key}")
     return options
 
 

@@ -22,7 +22,6 @@ positions restarting at each conversation and a block-diagonal causal mask, so t
 """
 from __future__ import annotations
 
-import json
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from minigpt.data.text import utf8_message
-from minigpt.errors import MiniGPTError
+from minigpt.errors import MiniGPTError, json_loads
 from minigpt.tokenizer.chat_template import ChatTemplate
 
 IGNORE_INDEX = -100  # PyTorch's cross_entropy default ignore_index, and Hugging Face's label convention
@@ -183,8 +182,8 @@ def read_jsonl(path: str | Path, what: str, convert: Callable[[Any, str], T], st
             where = f"{path}:{lineno}"
             try:
                 try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
+                    record = json_loads(line)
+                except ValueError as e:  # bad syntax, nesting thousands deep, an integer of thousands of digits
                     raise BadLine("invalid JSON", str(e)) from None
                 out.append(convert(record, where))
             except BadLine as e:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from minigpt.data.sources import SPLITS, PathLike
-from minigpt.errors import MiniGPTError, one_line
+from minigpt.errors import MiniGPTError, json_loads, one_line
 
 META_FILE = "meta.json"
 
@@ -35,7 +35,7 @@ def load_meta(data_dir: PathLike) -> Dict[str, Any]:
         what = "does not exist" if not d.exists() else f"has no {META_FILE}"
         raise MiniGPTError(f"data directory {d} {what}: create it with `minigpt prepare`")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json_loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise MiniGPTError(f"cannot read {path}: {one_line(e)}; re-run `minigpt prepare`") from e
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 from minigpt.data.text import read_text, single_doc_cut, split_stream, utf8_message
-from minigpt.errors import MiniGPTError, one_line
+from minigpt.errors import MiniGPTError, json_loads, one_line
 
 PathLike = Union[str, Path]
 
@@ -344,9 +344,10 @@ def _jsonl_texts(src: Source) -> Iterator[str]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise MiniGPTError(f"{src.path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON "
+                obj = json_loads(line)
+            except ValueError as e:  # bad syntax, nesting thousands deep, an integer of thousands of digits
+                msg = e.msg if isinstance(e, json.JSONDecodeError) else one_line(e)
+                raise MiniGPTError(f"{src.path}:{lineno}: not valid JSON ({msg}); each line must be one JSON "
                                    f"object such as {{\"text\": \"...\"}}") from None
             if not isinstance(obj, dict) or "text" not in obj:
                 keys = ", ".join(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__

@@ -17,14 +17,13 @@ the fused in-memory layout of ``transformers`` 5 (``mlp.experts.gate_up_proj`` /
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from minigpt.errors import MiniGPTError
+from minigpt.errors import MiniGPTError, json_loads
 from minigpt.model.config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM")
@@ -387,10 +386,10 @@ def is_hf_dir(path: str | Path) -> bool:
     if not cfg.is_file():
         return False
     try:
-        d = json.loads(cfg.read_text())
-    except (OSError, json.JSONDecodeError):
+        d = json_loads(cfg.read_text())
+    except (OSError, ValueError):
         return False
-    return "model_type" in d or "architectures" in d
+    return isinstance(d, dict) and ("model_type" in d or "architectures" in d)
 
 
 def state_dict_from_hf(

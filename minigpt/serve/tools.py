@@ -35,6 +35,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from minigpt.errors import json_loads
 from minigpt.infer import constrain
 from minigpt.infer.request import Event
 from minigpt.infer.sampling import InvalidRequest
@@ -182,8 +183,8 @@ def _message_calls(calls: Any, where: str) -> list[dict]:
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             try:
-                args = json.loads(args)
-            except (ValueError, RecursionError):  # RecursionError: nested thousands deep
+                args = json_loads(args)
+            except ValueError:
                 raise bad_request(f"{w}.function.arguments must be a JSON string of the call's arguments",
                                   f"{w}.function.arguments") from None
         if call.get("id") is not None and not isinstance(call["id"], str):
@@ -289,7 +290,7 @@ def _hermes(text: str, names: list[str]) -> Optional[tuple[Optional[str], list[d
         end = text.find(HERMES_CLOSE, pos)
         inner = text[pos + len(HERMES_OPEN):end if end >= 0 else len(text)]  # an unclosed last block still counts
         try:
-            obj = json.loads(inner)
+            obj = json_loads(inner)
         except ValueError:
             return None
         call = _call(obj.get("name"), obj.get("arguments", obj.get("parameters")), names) \
@@ -316,7 +317,7 @@ def _llama_json(text: str, names: list[str]) -> Optional[list[dict]]:
     while pos < len(text):
         try:
             obj, pos = decoder.raw_decode(text, pos)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: a model's output nested thousands deep
             return None
         call = _call(obj.get("name"), obj.get("parameters", obj.get("arguments")), names) \
             if isinstance(obj, dict) else None

@@ -17,12 +17,11 @@ a role a file sets to null stays empty (Qwen2's ``"bos_token": null`` means no B
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-from minigpt.errors import MiniGPTError, shown_json
+from minigpt.errors import MiniGPTError, read_json_object, shown_json
 
 # A role no file mentions (as opposed to None: a file says there is none).
 UNSET = "unset"
@@ -67,13 +66,7 @@ class TokenRoles:
 def _read(path: Path) -> Optional[dict]:
     if not path.is_file():
         return None
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MiniGPTError(f"{path} is not valid JSON ({e}); fix or delete it") from None
-    if not isinstance(d, dict):
-        raise MiniGPTError(f"{path} is not a JSON object; fix or delete it")
-    return d
+    return read_json_object(path, hint="; fix or delete it")
 
 
 def _content(value, key: str, where: Path) -> Optional[str]:
