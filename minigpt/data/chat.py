@@ -2,7 +2,8 @@
 
 Input: one JSON object per line, in any of three layouts, converted on load to OpenAI's ``messages``:
 
-* OpenAI / TRL: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`` (multi-turn);
+* OpenAI / TRL: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`` (multi-turn; a
+  content may also be a list of text parts, ``[{"type": "text", "text": str}, ...]``, which are joined);
 * Alpaca (Taori et al. 2023): ``{"instruction", "input", "output"}`` -> one user turn (``instruction``, plus
   ``"\\n\\n" + input`` when ``input`` is non-empty, the rule of the data in ``shared/data/sft``) and one assistant turn;
 * ShareGPT: ``{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}``.
@@ -101,6 +102,22 @@ class BadLine(ValueError):
         self.reason = reason
 
 
+def content_text(content: Any) -> Any:
+    """A message's ``content`` as text: a string as it is; a list of OpenAI text parts (``[{"type": "text",
+    "text": ...}, ...]``, the chat completions API's other form, which exported conversations keep) joined without
+    a separator, as ``minigpt serve`` joins them; anything else unchanged, for the caller to reject. Raises
+    :class:`BadLine` for a part that is not text (an image, audio)."""
+    if not isinstance(content, list) or not content:
+        return content
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise BadLine("content not text", f"a content part of type {kind!r}; only text parts are read")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
 def to_messages(record: Any) -> list[dict[str, str]]:
     """A parsed JSON line in any supported layout -> validated OpenAI ``messages``. Raises :class:`BadLine`."""
     if not isinstance(record, dict):
@@ -113,7 +130,7 @@ def to_messages(record: Any) -> list[dict[str, str]]:
         for m in raw:
             if not isinstance(m, dict) or "role" not in m:
                 raise BadLine("unknown format", "a message is not an object with a 'role'")
-            messages.append({"role": m["role"], "content": m.get("content")})
+            messages.append({"role": m["role"], "content": content_text(m.get("content"))})
     elif "conversations" in record:
         raw = record["conversations"]
         if not isinstance(raw, list):

@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 import torch
 
-from minigpt.data.chat import IGNORE_INDEX, ROLES, BadLine, SkipReport, read_jsonl
+from minigpt.data.chat import IGNORE_INDEX, ROLES, BadLine, SkipReport, content_text, read_jsonl
 from minigpt.errors import MiniGPTError
 from minigpt.tokenizer.chat_template import ChatTemplate
 
@@ -79,9 +79,10 @@ def _messages(value: Any, what: str) -> Messages:
             raise BadLine("unknown format", f"a message of {what!r} is not an object with a 'role'")
         if m["role"] not in ROLES:
             raise BadLine("unknown role", repr(m["role"]))
-        if not isinstance(m.get("content"), str) or not m["content"].strip():
+        content = content_text(m.get("content"))
+        if not isinstance(content, str) or not content.strip():
             raise BadLine("empty content", f"a {m['role']} message of {what!r}")
-        out.append({"role": m["role"], "content": m["content"]})
+        out.append({"role": m["role"], "content": content})
     return out
 
 

@@ -17,6 +17,7 @@ from minigpt.data.chat import (
     token_losses,
     tokenize_conversation,
 )
+from minigpt.data.preference import read_preferences
 from minigpt.errors import MiniGPTError
 from minigpt.posttrain.packing import packed_forward
 from minigpt.posttrain.vocab import add_chat_tokens
@@ -206,16 +207,39 @@ def test_adding_chat_tokens_resizes_embeddings_with_the_mean(tokenizer):
 
 
 def test_content_that_is_not_a_string_and_a_directory_as_data_say_so(tmp_path):
-    """``"content": 5`` (or OpenAI's list of content parts) was counted as "empty content"; a directory given as
+    """``"content": 5`` (or a content part that is not text) was counted as "empty content"; a directory given as
     the data file was reported as not existing."""
     path = tmp_path / "odd.jsonl"
+    image = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "x.png"}}]
     path.write_text(json.dumps({"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "y"}]})
-                    + "\n" + json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]},
+                    + "\n" + json.dumps({"messages": [{"role": "user", "content": image},
                                                       {"role": "assistant", "content": "y"}]}) + "\n")
     report = SkipReport()
     assert read_conversations(path, report=report) == []
     assert dict(report.skipped) == {"content not text": 2}
     with pytest.raises(MiniGPTError, match="user message's content is a JSON int, not a string"):
         read_conversations(path, strict=True)
+    path.write_text(path.read_text().splitlines()[1] + "\n")
+    with pytest.raises(MiniGPTError, match="a content part of type 'image_url'; only text parts are read"):
+        read_conversations(path, strict=True)
     with pytest.raises(MiniGPTError, match="is a directory; give a .jsonl file"):
         read_conversations(tmp_path)
+
+
+def test_openai_text_parts_are_read_as_their_joined_text(tmp_path):
+    """The chat completions API's list form of a message's content (text parts), as exported conversations keep
+    it, reads as the string it stands for, in SFT data and in DPO pairs; it was skipped as "content not text"."""
+    parts = [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}]
+    path = tmp_path / "parts.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": parts},
+                                             {"role": "assistant", "content": [{"type": "text", "text": "Red."}]}]})
+                    + "\n")
+    (_, messages), = read_conversations(path, strict=True)
+    assert messages == [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Red."}]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": [{"role": "user", "content": parts}],
+                                 "chosen": [{"role": "assistant", "content": [{"type": "text", "text": "Red."}]}],
+                                 "rejected": [{"role": "assistant", "content": "No."}]}) + "\n")
+    record, = read_preferences(pairs, strict=True)
+    assert record.prompt == [{"role": "user", "content": "Name a colour."}]
+    assert record.chosen == [{"role": "assistant", "content": "Red."}]
