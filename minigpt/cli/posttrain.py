@@ -33,9 +33,10 @@ COMMON_SWITCHES = {"strict": ("strict", True), "resume": ("resume", True), "comp
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    """Fine-tune a model on chat conversations (JSONL: OpenAI messages, Alpaca or ShareGPT), full or with LoRA.
+    """Fine-tune a model on chat data (JSONL: OpenAI messages, TRL prompt-completion, Alpaca, ShareGPT), full or LoRA.
 
-    The loss covers the assistant turns only (--train-on-prompt: every token); conversations are packed several
+    The loss covers the assistant turns only, or a prompt-completion row's completion (--train-on-prompt: every
+    token); conversations are packed several
     to a row without attending to each other (--no-pack: one per row, padded). Without a chat template in the model,
     ChatML is used and its <|im_start|>/<|im_end|> tokens are added. --out-dir receives a model directory that
     `minigpt generate` and `minigpt chat` read, and with --lora-rank the PEFT adapter in adapter/; it is also the

@@ -1,9 +1,13 @@
 """Chat data for supervised fine-tuning: JSONL conversations -> token ids with loss labels -> padded or packed batches.
 
-Input: one JSON object per line, in any of three layouts, converted on load to OpenAI's ``messages``:
+Input: one JSON object per line, in any of four layouts, converted on load to OpenAI's ``messages`` (all but
+prompt-completion records):
 
 * OpenAI / TRL: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`` (multi-turn; a
   content may also be a list of text parts, ``[{"type": "text", "text": str}, ...]``, which are joined);
+* TRL's prompt-completion: ``{"prompt": [messages], "completion": [messages]}`` (through the chat template) or
+  ``{"prompt": str, "completion": str}`` (the strings joined, no template, EOS appended), kept as a
+  :class:`PromptCompletion`: only the completion is scored, as TRL's ``SFTTrainer`` does for this layout;
 * Alpaca (Taori et al. 2023): ``{"instruction", "input", "output"}`` -> one user turn (``instruction``, plus
   ``"\\n\\n" + input`` when ``input`` is non-empty, the rule of the data in ``shared/data/sft``) and one assistant turn;
 * ShareGPT: ``{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}``.
@@ -27,7 +31,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, TypeVar
+from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -118,19 +122,23 @@ def content_text(content: Any) -> Any:
     return "".join(texts)
 
 
+def _openai_messages(raw: Any, what: str) -> list[dict[str, Any]]:
+    if not isinstance(raw, list):
+        raise BadLine("unknown format", f"{what} is not a list")
+    messages = []
+    for m in raw:
+        if not isinstance(m, dict) or "role" not in m:
+            raise BadLine("unknown format", f"a message of {what} is not an object with a 'role'")
+        messages.append({"role": m["role"], "content": content_text(m.get("content"))})
+    return messages
+
+
 def to_messages(record: Any) -> list[dict[str, str]]:
     """A parsed JSON line in any supported layout -> validated OpenAI ``messages``. Raises :class:`BadLine`."""
     if not isinstance(record, dict):
         raise BadLine("unknown format", f"expected a JSON object, got {type(record).__name__}")
     if "messages" in record:
-        raw = record["messages"]
-        if not isinstance(raw, list):
-            raise BadLine("unknown format", "'messages' is not a list")
-        messages = []
-        for m in raw:
-            if not isinstance(m, dict) or "role" not in m:
-                raise BadLine("unknown format", "a message is not an object with a 'role'")
-            messages.append({"role": m["role"], "content": content_text(m.get("content"))})
+        messages = _openai_messages(record["messages"], "'messages'")
     elif "conversations" in record:
         raw = record["conversations"]
         if not isinstance(raw, list):
@@ -150,7 +158,15 @@ def to_messages(record: Any) -> list[dict[str, str]]:
         if record.get("system"):
             messages.insert(0, {"role": "system", "content": record["system"]})
     else:
-        raise BadLine("unknown format", "expected 'messages', 'conversations' or 'instruction'/'output'")
+        raise BadLine("unknown format", "expected 'messages', 'prompt'/'completion', 'conversations' or "
+                                        "'instruction'/'output'")
+    _check_messages(messages)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadLine("no assistant turn")
+    return messages
+
+
+def _check_messages(messages: list[dict[str, Any]]) -> None:
     for m in messages:
         if m["role"] not in ROLES:
             raise BadLine("unknown role", repr(m["role"]))
@@ -159,9 +175,52 @@ def to_messages(record: Any) -> list[dict[str, str]]:
                           f"{type(m['content']).__name__}, not a string")
         if not m["content"].strip():
             raise BadLine("empty content", f"a {m['role']} message")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise BadLine("no assistant turn")
-    return messages
+
+
+@dataclass(frozen=True)
+class PromptCompletion:
+    """A record of TRL's prompt-completion layout: ``prompt`` and ``completion`` both non-empty strings (standard)
+    or both lists of validated messages (conversational). Only the completion is scored, as TRL's
+    ``completion_only_loss`` does for this layout (:func:`tokenize_conversation`)."""
+
+    prompt: Any
+    completion: Any
+
+    @property
+    def conversational(self) -> bool:
+        return isinstance(self.prompt, list)
+
+
+def to_record(record: Any) -> "list[dict[str, str]] | PromptCompletion":
+    """A parsed JSON line -> a :class:`PromptCompletion` (``prompt`` and ``completion`` keys, no ``messages``) or
+    validated ``messages`` (:func:`to_messages`). Raises :class:`BadLine`."""
+    if not isinstance(record, dict) or "messages" in record or not ("prompt" in record and "completion" in record):
+        return to_messages(record)
+    prompt, completion = record["prompt"], record["completion"]
+    if isinstance(prompt, list) and isinstance(completion, list):
+        prompt, completion = _openai_messages(prompt, "'prompt'"), _openai_messages(completion, "'completion'")
+        if not prompt or not completion:
+            raise BadLine("unknown format", "'prompt' and 'completion' must not be empty lists")
+        _check_messages(prompt + completion)
+        if not any(m["role"] == "assistant" for m in completion):
+            raise BadLine("no assistant turn", "the completion has no assistant message")
+    elif isinstance(prompt, str) and isinstance(completion, str):
+        for name, value in (("prompt", prompt), ("completion", completion)):
+            if not value.strip():
+                raise BadLine("empty content", f"{name!r} is empty")
+    else:
+        raise BadLine("unknown format", "'prompt' and 'completion' must both be strings or both message lists")
+    return PromptCompletion(prompt, completion)
+
+
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """How many leading items ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 T = TypeVar("T")
@@ -212,18 +271,42 @@ def read_jsonl(path: str | Path, what: str, convert: Callable[[Any, str], T], st
 
 
 def read_conversations(path: str | Path, strict: bool = False, report: Optional[SkipReport] = None
-                       ) -> list[tuple[str, list[dict[str, str]]]]:
-    """``[(file:line, messages), ...]`` of a JSONL file (:func:`read_jsonl`)."""
-    return read_jsonl(path, "chat data", lambda record, where: (where, to_messages(record)), strict, report)
+                       ) -> list[tuple[str, "list[dict[str, str]] | PromptCompletion"]]:
+    """``[(file:line, messages or PromptCompletion), ...]`` of a JSONL file (:func:`read_jsonl`, :func:`to_record`)."""
+    return read_jsonl(path, "chat data", lambda record, where: (where, to_record(record)), strict, report)
 
 
-def tokenize_conversation(template: ChatTemplate, messages: list[dict[str, str]], train_on_prompt: bool = False,
-                          source: str = "") -> ChatExample:
+def tokenize_conversation(template: ChatTemplate, messages: "list[dict[str, str]] | PromptCompletion",
+                          train_on_prompt: bool = False, source: str = "") -> ChatExample:
     """Render and tokenize one conversation; labels are the ids on assistant tokens (every id with
-    ``train_on_prompt``) and ``-100`` elsewhere."""
-    ids, mask = template.encode_with_mask(messages)
-    labels = [i if (m or train_on_prompt) else IGNORE_INDEX for i, m in zip(ids, mask)]
-    return ChatExample(ids, labels, source)
+    ``train_on_prompt``) and ``-100`` elsewhere.
+
+    A :class:`PromptCompletion` is tokenized as TRL's ``SFTTrainer`` tokenizes that layout: the ids of prompt +
+    completion (conversational: through the chat template; standard: the two strings joined, with the tokenizer's
+    EOS text appended to the completion unless it ends with it, or the EOS id where that token has no text), and
+    labels only after the longest prefix those ids share with the prompt's own ids (conversational: the prompt
+    with the generation prompt). Raises :class:`MiniGPTError` for a standard record when the tokenizer has no EOS."""
+    if not isinstance(messages, PromptCompletion):
+        ids, mask = template.encode_with_mask(messages)
+        labels = [i if (m or train_on_prompt) else IGNORE_INDEX for i, m in zip(ids, mask)]
+        return ChatExample(ids, labels, source)
+    record = messages
+    if record.conversational:
+        prompt_ids = template.encode(record.prompt, add_generation_prompt=True)
+        ids = template.encode(record.prompt + record.completion)
+    else:
+        tok = template.tokenizer
+        if tok.eos_id is None:
+            raise MiniGPTError("the tokenizer has no EOS token to end the standard (string) completions with")
+        eos_text = tok.decode([tok.eos_id])
+        prompt_ids = template.encode_text(record.prompt)
+        if eos_text:
+            completion = record.completion if record.completion.endswith(eos_text) else record.completion + eos_text
+            ids = template.encode_text(record.prompt + completion)
+        else:
+            ids = template.encode_text(record.prompt + record.completion) + [tok.eos_id]
+    start = 0 if train_on_prompt else common_prefix(prompt_ids, ids)
+    return ChatExample(ids, [IGNORE_INDEX] * start + ids[start:], source)
 
 
 def load_chat_dataset(path: str | Path, template: ChatTemplate, max_seq_len: int, train_on_prompt: bool = False,

@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 import torch
 
-from minigpt.data.chat import IGNORE_INDEX, ROLES, BadLine, SkipReport, content_text, read_jsonl
+from minigpt.data.chat import IGNORE_INDEX, ROLES, BadLine, SkipReport, common_prefix, content_text, read_jsonl
 from minigpt.errors import MiniGPTError
 from minigpt.tokenizer.chat_template import ChatTemplate
 
@@ -90,15 +90,6 @@ def _is_messages(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and isinstance(value[0], dict) and "role" in value[0]
 
 
-def _common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def to_preference(record: Any) -> tuple[Any, Any, Any]:
     """A parsed JSON line in any supported layout -> ``(prompt, chosen, rejected)``, all strings or all message
     lists (validated). Raises :class:`BadLine`."""
@@ -110,9 +101,9 @@ def to_preference(record: Any) -> tuple[Any, Any, Any]:
     if "prompt" not in record:  # implicit prompt: the shared beginning of the two answers
         if _is_messages(chosen) and _is_messages(rejected):
             chosen, rejected = _messages(chosen, "chosen"), _messages(rejected, "rejected")
-            n = _common_prefix(chosen, rejected)
+            n = common_prefix(chosen, rejected)
         elif isinstance(chosen, str) and isinstance(rejected, str):
-            n = _common_prefix(chosen, rejected)
+            n = common_prefix(chosen, rejected)
             if 0 < n < len(chosen) and chosen[n - 1] == " ":  # TRL: the space starts the completion
                 n -= 1
         else:
@@ -171,7 +162,7 @@ def tokenize_preference(template: ChatTemplate, record: PreferenceRecord, eos_te
                     for a in (record.chosen, record.rejected)]
         else:
             full = [template.encode_text(record.prompt + a) + [eos_id] for a in (record.chosen, record.rejected)]
-    n = min(_common_prefix(prompt_ids, ids) for ids in full)
+    n = min(common_prefix(prompt_ids, ids) for ids in full)
     return PreferencePair(prompt_ids[:n], full[0][n:], full[1][n:], record.source)
 
 

@@ -1,9 +1,10 @@
 """Chat templates, chat data and loss masking, packing and new special tokens."""
 import json
+import random
 
 import pytest
 import torch
-from chat_helpers import chat_tokenizer, conversations, hf_copy, save_hf_tokenizer, tiny_model
+from chat_helpers import chat_tokenizer, conversation, conversations, hf_copy, save_hf_tokenizer, sentence, tiny_model
 
 from minigpt.data.chat import (
     IGNORE_INDEX,
@@ -243,3 +244,63 @@ def test_openai_text_parts_are_read_as_their_joined_text(tmp_path):
     record, = read_preferences(pairs, strict=True)
     assert record.prompt == [{"role": "user", "content": "Name a colour."}]
     assert record.chosen == [{"role": "assistant", "content": "Red."}]
+
+
+def _prompt_completion_rows(layout, n=6, seed=3):
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        if layout == "standard":
+            words = sentence(rng, rng.randint(2, 5)).split()
+            rows.append({"prompt": " ".join(words), "completion": " " + " ".join(reversed(words))})
+        else:
+            history = conversation(rng, turns=rng.randint(1, 2), system=rng.random() < 0.5)
+            rows.append({"prompt": history[:-1], "completion": history[-1:]})
+    return rows
+
+
+@pytest.mark.parametrize("layout", ["standard", "conversational"])
+def test_prompt_completion_tokenized_as_trl_sft_trainer_does(tmp_path, layout):
+    """TRL's prompt-completion layout: TRL's SFTTrainer tokenizes the rows (its EOS appended to standard
+    completions, the chat template with the generation prompt for the prompt of conversational ones) and builds
+    labels that mask the prompt (its ``completion_only_loss``); our ids and labels equal its ``input_ids`` and
+    ``labels``. Before, these rows were skipped as an unknown layout."""
+    trl = pytest.importorskip("trl", reason="trl is a test-only dependency")
+    datasets = pytest.importorskip("datasets", reason="datasets comes with trl")
+    tok = chat_tokenizer()
+    rows = _prompt_completion_rows(layout)
+    args = trl.SFTConfig(output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True, bf16=False,
+                         max_length=None, packing=False)
+    trainer = trl.SFTTrainer(model=hf_copy(tiny_model(tok.vocab_size)), args=args,
+                             train_dataset=datasets.Dataset.from_list(rows),
+                             processing_class=transformers.AutoTokenizer.from_pretrained(
+                                 save_hf_tokenizer(tok, tmp_path / "tok")))
+    path = tmp_path / "pc.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records = read_conversations(path, strict=True)
+    assert len(records) == len(rows)
+    template = ChatTemplate(tok, CHATML_TEMPLATE)
+    for i, (where, record) in enumerate(records):
+        theirs = trainer.train_dataset[i]
+        ours = tokenize_conversation(template, record, source=where)
+        assert ours.input_ids == theirs["input_ids"]
+        assert ours.labels == theirs["labels"] and ours.labels[0] == IGNORE_INDEX and ours.n_targets > 0
+        everything = tokenize_conversation(template, record, train_on_prompt=True)
+        assert everything.labels == everything.input_ids == ours.input_ids
+
+
+@pytest.mark.parametrize("row, reason", [
+    ({"prompt": "Hi", "completion": ""}, "empty content"),
+    ({"prompt": "Hi", "completion": [{"role": "assistant", "content": "x"}]}, "unknown format"),
+    ({"prompt": [{"role": "user", "content": "Hi"}], "completion": [{"role": "user", "content": "x"}]},
+     "no assistant turn"),
+    ({"prompt": [], "completion": [{"role": "assistant", "content": "x"}]}, "unknown format"),
+    ({"prompt": [{"role": "robot", "content": "Hi"}], "completion": [{"role": "assistant", "content": "x"}]},
+     "unknown role"),
+])
+def test_unusable_prompt_completion_rows_are_skipped_with_their_reason(tmp_path, row, reason):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(row) + "\n" + json.dumps({"prompt": "Hi", "completion": " there"}) + "\n")
+    report = SkipReport()
+    assert len(read_conversations(path, report=report)) == 1
+    assert dict(report.skipped) == {reason: 1}
