@@ -1,13 +1,14 @@
 """Chat data for supervised fine-tuning: JSONL conversations -> token ids with loss labels -> padded or packed batches.
 
-Input: one JSON object per line, in any of four layouts, converted on load to OpenAI's ``messages`` (all but
-prompt-completion records):
+Input: one JSON object per line, in any of five layouts, converted on load to OpenAI's ``messages`` (all but
+prompt-completion and text records):
 
 * OpenAI / TRL: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`` (multi-turn; a
   content may also be a list of text parts, ``[{"type": "text", "text": str}, ...]``, which are joined);
 * TRL's prompt-completion: ``{"prompt": [messages], "completion": [messages]}`` (through the chat template) or
   ``{"prompt": str, "completion": str}`` (the strings joined, no template, EOS appended), kept as a
   :class:`PromptCompletion`: only the completion is scored, as TRL's ``SFTTrainer`` does for this layout;
+* TRL's language modeling: ``{"text": str}`` -> the text and EOS, every token scored;
 * Alpaca (Taori et al. 2023): ``{"instruction", "input", "output"}`` -> one user turn (``instruction``, plus
   ``"\\n\\n" + input`` when ``input`` is non-empty, the rule of the data in ``shared/data/sft``) and one assistant turn;
 * ShareGPT: ``{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}``.
@@ -158,7 +159,7 @@ def to_messages(record: Any) -> list[dict[str, str]]:
         if record.get("system"):
             messages.insert(0, {"role": "system", "content": record["system"]})
     else:
-        raise BadLine("unknown format", "expected 'messages', 'prompt'/'completion', 'conversations' or "
+        raise BadLine("unknown format", "expected 'messages', 'prompt'/'completion', 'text', 'conversations' or "
                                         "'instruction'/'output'")
     _check_messages(messages)
     if not any(m["role"] == "assistant" for m in messages):
@@ -192,8 +193,14 @@ class PromptCompletion:
 
 
 def to_record(record: Any) -> "list[dict[str, str]] | PromptCompletion":
-    """A parsed JSON line -> a :class:`PromptCompletion` (``prompt`` and ``completion`` keys, no ``messages``) or
-    validated ``messages`` (:func:`to_messages`). Raises :class:`BadLine`."""
+    """A parsed JSON line -> a :class:`PromptCompletion` (``prompt`` and ``completion`` keys; or TRL's standard
+    language-modeling row, ``{"text": str}``, a completion with an empty prompt: every token scored) or validated
+    ``messages`` (:func:`to_messages`). Raises :class:`BadLine`."""
+    if isinstance(record, dict) and set(record) & {"text", "messages", "prompt", "conversations", "instruction"} \
+            == {"text"}:
+        if not isinstance(record["text"], str) or not record["text"].strip():
+            raise BadLine("empty content", "'text' is not a non-empty string")
+        return PromptCompletion("", record["text"])
     if not isinstance(record, dict) or "messages" in record or not ("prompt" in record and "completion" in record):
         return to_messages(record)
     prompt, completion = record["prompt"], record["completion"]
@@ -305,7 +312,7 @@ def tokenize_conversation(template: ChatTemplate, messages: "list[dict[str, str]
             ids = template.encode_text(record.prompt + completion)
         else:
             ids = template.encode_text(record.prompt + record.completion) + [tok.eos_id]
-    start = 0 if train_on_prompt else common_prefix(prompt_ids, ids)
+    start = 0 if train_on_prompt or not record.prompt else common_prefix(prompt_ids, ids)
     return ChatExample(ids, [IGNORE_INDEX] * start + ids[start:], source)
 
 

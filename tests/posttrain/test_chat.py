@@ -253,18 +253,21 @@ def _prompt_completion_rows(layout, n=6, seed=3):
         if layout == "standard":
             words = sentence(rng, rng.randint(2, 5)).split()
             rows.append({"prompt": " ".join(words), "completion": " " + " ".join(reversed(words))})
+        elif layout == "text":  # TRL's standard language modeling: every token scored
+            rows.append({"text": sentence(rng, rng.randint(3, 9))})
         else:
             history = conversation(rng, turns=rng.randint(1, 2), system=rng.random() < 0.5)
             rows.append({"prompt": history[:-1], "completion": history[-1:]})
     return rows
 
 
-@pytest.mark.parametrize("layout", ["standard", "conversational"])
-def test_prompt_completion_tokenized_as_trl_sft_trainer_does(tmp_path, layout):
+@pytest.mark.parametrize("layout", ["standard", "conversational", "text"])
+def test_trl_layouts_tokenized_as_trl_sft_trainer_does(tmp_path, layout):
     """TRL's prompt-completion layout: TRL's SFTTrainer tokenizes the rows (its EOS appended to standard
     completions, the chat template with the generation prompt for the prompt of conversational ones) and builds
     labels that mask the prompt (its ``completion_only_loss``); our ids and labels equal its ``input_ids`` and
-    ``labels``. Before, these rows were skipped as an unknown layout."""
+    ``labels``; so for its language-modeling rows (``{"text"}``: EOS appended, every token scored). Before, these
+    rows were skipped as an unknown layout."""
     trl = pytest.importorskip("trl", reason="trl is a test-only dependency")
     datasets = pytest.importorskip("datasets", reason="datasets comes with trl")
     tok = chat_tokenizer()
@@ -284,7 +287,8 @@ def test_prompt_completion_tokenized_as_trl_sft_trainer_does(tmp_path, layout):
         theirs = trainer.train_dataset[i]
         ours = tokenize_conversation(template, record, source=where)
         assert ours.input_ids == theirs["input_ids"]
-        assert ours.labels == theirs["labels"] and ours.labels[0] == IGNORE_INDEX and ours.n_targets > 0
+        assert ours.labels == theirs["labels"] and ours.n_targets > 0
+        assert (ours.labels == ours.input_ids) == (layout == "text")  # else the prompt is masked
         everything = tokenize_conversation(template, record, train_on_prompt=True)
         assert everything.labels == everything.input_ids == ours.input_ids
 
@@ -295,6 +299,8 @@ def test_prompt_completion_tokenized_as_trl_sft_trainer_does(tmp_path, layout):
     ({"prompt": [{"role": "user", "content": "Hi"}], "completion": [{"role": "user", "content": "x"}]},
      "no assistant turn"),
     ({"prompt": [], "completion": [{"role": "assistant", "content": "x"}]}, "unknown format"),
+    ({"text": " "}, "empty content"),
+    ({"text": "Hi", "messages": []}, "no assistant turn"),  # read as messages, not text
     ({"prompt": [{"role": "robot", "content": "Hi"}], "completion": [{"role": "assistant", "content": "x"}]},
      "unknown role"),
 ])
