@@ -283,8 +283,17 @@ def read_conversations(path: str | Path, strict: bool = False, report: Optional[
     return read_jsonl(path, "chat data", lambda record, where: (where, to_record(record)), strict, report)
 
 
+def encode_plain(template: ChatTemplate, text: str, bos_id: Optional[int] = None) -> list[int]:
+    """Token ids of plain ``text`` (no chat template) as ``transformers``' ``tokenizer(text)`` gives them, which
+    TRL's trainers use for standard (string) rows: ``bos_id`` first when given (the model's tokenizer prepends BOS
+    by default: :func:`~minigpt.checkpoint.tokenizer_bos.adds_bos`), unless the text already starts with it."""
+    ids = template.encode_text(text)
+    return [bos_id] + ids if bos_id is not None and ids[:1] != [bos_id] else ids
+
+
 def tokenize_conversation(template: ChatTemplate, messages: "list[dict[str, str]] | PromptCompletion",
-                          train_on_prompt: bool = False, source: str = "") -> ChatExample:
+                          train_on_prompt: bool = False, source: str = "", bos_id: Optional[int] = None
+                          ) -> ChatExample:
     """Render and tokenize one conversation; labels are the ids on assistant tokens (every id with
     ``train_on_prompt``) and ``-100`` elsewhere.
 
@@ -292,7 +301,8 @@ def tokenize_conversation(template: ChatTemplate, messages: "list[dict[str, str]
     completion (conversational: through the chat template; standard: the two strings joined, with the tokenizer's
     EOS text appended to the completion unless it ends with it, or the EOS id where that token has no text), and
     labels only after the longest prefix those ids share with the prompt's own ids (conversational: the prompt
-    with the generation prompt). Raises :class:`MiniGPTError` for a standard record when the tokenizer has no EOS."""
+    with the generation prompt). Standard text is encoded by :func:`encode_plain` (``bos_id``). Raises
+    :class:`MiniGPTError` for a standard record when the tokenizer has no EOS."""
     if not isinstance(messages, PromptCompletion):
         ids, mask = template.encode_with_mask(messages)
         labels = [i if (m or train_on_prompt) else IGNORE_INDEX for i, m in zip(ids, mask)]
@@ -306,28 +316,30 @@ def tokenize_conversation(template: ChatTemplate, messages: "list[dict[str, str]
         if tok.eos_id is None:
             raise MiniGPTError("the tokenizer has no EOS token to end the standard (string) completions with")
         eos_text = tok.decode([tok.eos_id])
-        prompt_ids = template.encode_text(record.prompt)
+        prompt_ids = encode_plain(template, record.prompt, bos_id)
         if eos_text:
             completion = record.completion if record.completion.endswith(eos_text) else record.completion + eos_text
-            ids = template.encode_text(record.prompt + completion)
+            ids = encode_plain(template, record.prompt + completion, bos_id)
         else:
-            ids = template.encode_text(record.prompt + record.completion) + [tok.eos_id]
+            ids = encode_plain(template, record.prompt + record.completion, bos_id) + [tok.eos_id]
     start = 0 if train_on_prompt or not record.prompt else common_prefix(prompt_ids, ids)
     return ChatExample(ids, [IGNORE_INDEX] * start + ids[start:], source)
 
 
 def load_chat_dataset(path: str | Path, template: ChatTemplate, max_seq_len: int, train_on_prompt: bool = False,
-                      strict: bool = False, report: Optional[SkipReport] = None) -> list[ChatExample]:
+                      strict: bool = False, report: Optional[SkipReport] = None, bos_id: Optional[int] = None
+                      ) -> list[ChatExample]:
     """Read, convert, render and tokenize a JSONL chat file; conversations longer than ``max_seq_len`` tokens are
     skipped as ``too long`` (never truncated: a cut conversation would teach the model to stop mid-answer).
 
-    ``report`` (filled in) gives the counts; ``strict`` raises :class:`MiniGPTError` on the first unusable line.
-    Raises :class:`MiniGPTError` when no conversation is left.
+    ``report`` (filled in) gives the counts; ``strict`` raises :class:`MiniGPTError` on the first unusable line;
+    ``bos_id``: what standard rows start with (:func:`tokenize_conversation`). Raises :class:`MiniGPTError` when
+    no conversation is left.
     """
     report = report if report is not None else SkipReport()
     examples = []
     for where, messages in read_conversations(path, strict, report):
-        example = tokenize_conversation(template, messages, train_on_prompt, where)
+        example = tokenize_conversation(template, messages, train_on_prompt, where, bos_id)
         if len(example) > max_seq_len or example.n_targets == 0:
             reason = "too long" if len(example) > max_seq_len else "no assistant tokens"
             if strict:

@@ -14,9 +14,12 @@ One JSON object per line, in TRL's preference layouts (``trl`` 1.x "preference" 
 
 Tokenization follows TRL's ``DPOTrainer._prepare_dataset``: ``prompt_ids`` are the ids of the prompt alone, each
 completion is the part of ``ids(prompt + answer)`` after the longest prefix it shares with ``prompt_ids`` (so a token
-merging across the boundary goes to the completion), and standard answers get the EOS token's text appended unless
-they already end with it (the EOS id itself where that token has no text, as SentencePiece's ``</s>``). Unlike TRL (``max_length`` 1024, cutting the end), a pair longer than the context is
-skipped, never truncated: a cut answer would be judged on text the annotator never saw.
+merging across the boundary goes to the completion), standard answers get the EOS token's text appended unless
+they already end with it (the EOS id itself where that token has no text, as SentencePiece's ``</s>``; TRL appends
+the text ``</s>``, which such a tokenizer may split into characters), and standard text starts with BOS where the
+model's tokenizer prepends one (TRL 1.x encodes it with ``tokenizer(text)``). Unlike TRL (``max_length`` 1024,
+cutting the end), a pair longer than the context is skipped, never truncated: a cut answer would be judged on text
+the annotator never saw.
 
 A line that cannot be used (not valid UTF-8, invalid JSON, unknown layout or role, empty text, identical answers, too
 long) is skipped and counted in a :class:`~minigpt.data.chat.SkipReport`; with ``strict=True`` the first one raises
@@ -33,7 +36,8 @@ from typing import Any, Optional
 
 import torch
 
-from minigpt.data.chat import IGNORE_INDEX, ROLES, BadLine, SkipReport, common_prefix, content_text, read_jsonl
+from minigpt.data.chat import (IGNORE_INDEX, ROLES, BadLine, SkipReport, common_prefix, content_text, encode_plain,
+                               read_jsonl)
 from minigpt.errors import MiniGPTError
 from minigpt.tokenizer.chat_template import ChatTemplate
 
@@ -144,11 +148,12 @@ def read_preferences(path: str | Path, strict: bool = False, report: Optional[Sk
 
 
 def tokenize_preference(template: ChatTemplate, record: PreferenceRecord, eos_text: Optional[str] = None,
-                        eos_id: Optional[int] = None) -> PreferencePair:
+                        eos_id: Optional[int] = None, bos_id: Optional[int] = None) -> PreferencePair:
     """Token ids of one record, the TRL way (see the module docstring). ``template`` renders conversational
     records and tokenizes standard ones (its tokenizer recognises added tokens in text, as ``transformers``' does);
     ``eos_text`` is appended to standard answers that do not end with it. A SentencePiece EOS is a control piece
-    with no text (``eos_text`` empty): then ``eos_id`` is appended to the ids instead. Raises
+    with no text (``eos_text`` empty): then ``eos_id`` is appended to the ids instead. Standard text starts with
+    ``bos_id`` when given (:func:`~minigpt.data.chat.encode_plain`). Raises
     :class:`MiniGPTError` for a standard record with neither."""
     if record.conversational:
         prompt_ids = template.encode(record.prompt, add_generation_prompt=True)
@@ -156,12 +161,13 @@ def tokenize_preference(template: ChatTemplate, record: PreferenceRecord, eos_te
     else:
         if not eos_text and eos_id is None:
             raise MiniGPTError("the tokenizer has no EOS token to end the standard (string) answers with")
-        prompt_ids = template.encode_text(record.prompt)
+        prompt_ids = encode_plain(template, record.prompt, bos_id)
         if eos_text:
-            full = [template.encode_text(record.prompt + (a if a.endswith(eos_text) else a + eos_text))
+            full = [encode_plain(template, record.prompt + (a if a.endswith(eos_text) else a + eos_text), bos_id)
                     for a in (record.chosen, record.rejected)]
         else:
-            full = [template.encode_text(record.prompt + a) + [eos_id] for a in (record.chosen, record.rejected)]
+            full = [encode_plain(template, record.prompt + a, bos_id) + [eos_id]
+                    for a in (record.chosen, record.rejected)]
     n = min(common_prefix(prompt_ids, ids) for ids in full)
     return PreferencePair(prompt_ids[:n], full[0][n:], full[1][n:], record.source)
 
@@ -170,16 +176,16 @@ def load_preference_dataset(path: str | Path, template: Optional[ChatTemplate], 
                             eos_text: Optional[str] = None, strict: bool = False,
                             report: Optional[SkipReport] = None,
                             records: Optional[list[PreferenceRecord]] = None,
-                            eos_id: Optional[int] = None) -> list[PreferencePair]:
-    """Read (unless ``records`` are given), validate and tokenize a JSONL preference file; pairs longer than
-    ``max_seq_len`` tokens are skipped as ``too long``. Raises :class:`MiniGPTError` when no pair is left, or
+                            eos_id: Optional[int] = None, bos_id: Optional[int] = None) -> list[PreferencePair]:
+    """Read (unless ``records`` are given), validate and tokenize (:func:`tokenize_preference`) a JSONL preference
+    file; pairs longer than ``max_seq_len`` tokens are skipped as ``too long``. Raises :class:`MiniGPTError` when no pair is left, or
     (``strict``) at the first unusable line."""
     report = report if report is not None else SkipReport()
     if records is None:
         records = read_preferences(path, strict, report)
     pairs = []
     for record in records:
-        pair = tokenize_preference(template, record, eos_text, eos_id)
+        pair = tokenize_preference(template, record, eos_text, eos_id, bos_id)
         if len(pair) > max_seq_len:
             reason, detail = "too long", f" ({len(pair)} tokens, the context is {max_seq_len})"
         elif not (pair.chosen_ids and pair.rejected_ids and pair.prompt_ids):

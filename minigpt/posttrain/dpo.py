@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minigpt.checkpoint.native import load_chat_template, load_tokenizer
+from minigpt.checkpoint.tokenizer_bos import adds_bos
 from minigpt.data.chat import SkipReport, token_losses
 from minigpt.data.preference import PairBatch, PreferencePair, load_preference_dataset, pad_pairs, read_preferences
 from minigpt.errors import MiniGPTError
@@ -230,13 +231,14 @@ class DPO(PostTraining):
         self.pad_id = tok.pad_id if tok.pad_id is not None else (tok.eos_id or 0)
         eos_text = tok.decode([tok.eos_id]) if tok.eos_id is not None else None
         self.seq_len = min(cfg.seq_len or model.config.max_seq_len, model.config.max_seq_len)
+        bos_id = tok.bos_id if adds_bos(self.source, tok) else None  # standard text as tokenizer(text), as TRL
         self.train_pairs = load_preference_dataset(cfg.data, template, self.seq_len, eos_text, cfg.strict, report,
-                                                   records, tok.eos_id)
+                                                   records, tok.eos_id, bos_id)
         self.say(report.summary(cfg.data, "pairs"), flush=True)
         self.val_pairs: list[PreferencePair] = []
         if cfg.val_data:
             self.val_pairs = load_preference_dataset(cfg.val_data, template, self.seq_len, eos_text, cfg.strict,
-                                                     val_report, val_records, tok.eos_id)[: cfg.max_val_pairs]
+                                                     val_report, val_records, tok.eos_id, bos_id)[: cfg.max_val_pairs]
             self.say(val_report.summary(cfg.val_data, "pairs"), flush=True)
         return len(self.train_pairs)
 

@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 
 from minigpt.checkpoint.native import load_chat_template, load_tokenizer
+from minigpt.checkpoint.tokenizer_bos import adds_bos
 from minigpt.data.chat import (
     Batch,
     ChatExample,
@@ -85,14 +86,16 @@ class SFT(PostTraining):
         self.pad_id = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else (self.tokenizer.eos_id or 0)
         self.seq_len = min(cfg.seq_len or model.config.max_seq_len, model.config.max_seq_len)
         report = SkipReport()
+        # Standard (string) rows are encoded as transformers' tokenizer(text) encodes them, as TRL does.
+        bos_id = self.tokenizer.bos_id if adds_bos(self.source, self.tokenizer) else None
         self.train_examples = load_chat_dataset(cfg.data, self.template, self.seq_len, cfg.train_on_prompt,
-                                                cfg.strict, report)
+                                                cfg.strict, report, bos_id)
         self.say(report.summary(cfg.data), flush=True)
         self.val_examples: list[ChatExample] = []
         if cfg.val_data:
             val_report = SkipReport()
             self.val_examples = load_chat_dataset(cfg.val_data, self.template, self.seq_len, cfg.train_on_prompt,
-                                                  cfg.strict, val_report)[: cfg.max_val_conversations]
+                                                  cfg.strict, val_report, bos_id)[: cfg.max_val_conversations]
             self.say(val_report.summary(cfg.val_data), flush=True)
         return len(pack_examples(self.train_examples, self.seq_len)) if cfg.pack else len(self.train_examples)
 

@@ -310,3 +310,46 @@ def test_unusable_prompt_completion_rows_are_skipped_with_their_reason(tmp_path,
     report = SkipReport()
     assert len(read_conversations(path, report=report)) == 1
     assert dict(report.skipped) == {reason: 1}
+
+
+def test_standard_rows_start_with_bos_where_the_tokenizer_adds_one_as_trl(tmp_path, shared_data):
+    """A Llama SentencePiece tokenizer prepends BOS to plain text (``tokenizer(text)``, which TRL 1.x's SFT and
+    DPO trainers call for standard rows): our standard prompt-completion, text and preference rows start with it
+    too, and equal TRL's ids and labels. (TRL appends EOS as the text ``</s>``: our export writes
+    ``split_special_tokens``, under which that text is characters, so TRL is given the tokenizer without it; ours
+    appends the EOS id, which has no text in SentencePiece.)"""
+    trl = pytest.importorskip("trl", reason="trl is a test-only dependency")
+    datasets = pytest.importorskip("datasets", reason="datasets comes with trl")
+    from minigpt.checkpoint.convert import export_hf
+    from minigpt.checkpoint.native import load_tokenizer
+    from minigpt.checkpoint.tokenizer_bos import adds_bos
+    from minigpt.data.chat import to_record
+    from minigpt.data.preference import PreferenceRecord, to_preference, tokenize_preference
+
+    hf_dir = export_hf(shared_data / "models" / "stories260K" / "stories260K.bin", tmp_path / "hf")
+    tok = load_tokenizer(hf_dir)
+    assert adds_bos(hf_dir, tok) and tok.decode([tok.eos_id]) == ""
+    template = ChatTemplate(tok)
+    theirs_tok = transformers.AutoTokenizer.from_pretrained(hf_dir, split_special_tokens=False)
+    rows = [{"prompt": "Once upon a time", "completion": " there was a cat."}, {"text": "The dog ran home."}]
+    for i, row in enumerate(rows):
+        args = trl.SFTConfig(output_dir=str(tmp_path / f"trl{i}"), report_to="none", use_cpu=True, bf16=False,
+                             max_length=None, packing=False)
+        theirs = trl.SFTTrainer(model=hf_copy(tiny_model(tok.vocab_size)), args=args,
+                                train_dataset=datasets.Dataset.from_list([row]),
+                                processing_class=theirs_tok).train_dataset[0]
+        ours = tokenize_conversation(template, to_record(row), bos_id=tok.bos_id)
+        assert (ours.input_ids, ours.labels) == (theirs["input_ids"], theirs["labels"])
+        assert ours.input_ids[0] == tok.bos_id and ours.input_ids[-1] == tok.eos_id
+        assert tokenize_conversation(template, to_record(row)).input_ids == ours.input_ids[1:]  # no bos_id: none
+    row = {"prompt": "Once upon a time", "chosen": " a cat.", "rejected": " a"}
+    args = trl.DPOConfig(output_dir=str(tmp_path / "dpo"), report_to="none", use_cpu=True, bf16=False,
+                         max_length=None)
+    model = tiny_model(tok.vocab_size)
+    theirs = trl.DPOTrainer(model=hf_copy(model), ref_model=hf_copy(model), args=args,
+                            train_dataset=datasets.Dataset.from_list([row]),
+                            processing_class=theirs_tok).train_dataset[0]
+    pair = tokenize_preference(template, PreferenceRecord(*to_preference(row)), "", tok.eos_id, tok.bos_id)
+    assert (pair.prompt_ids, pair.chosen_ids, pair.rejected_ids) == (
+        theirs["prompt_ids"], theirs["chosen_ids"], theirs["rejected_ids"])
+    assert pair.prompt_ids[0] == tok.bos_id

@@ -11,7 +11,7 @@ from chat_helpers import assert_same_run, chat_tokenizer, crash_after, hf_copy, 
 from conftest import assert_one_line_error, run_cli
 
 from minigpt.checkpoint.adapter import CONFIG_NAME, load_adapter
-from minigpt.checkpoint.native import load_model, save_pretrained
+from minigpt.checkpoint.native import load_model, load_tokenizer, save_pretrained
 from minigpt.data.chat import SkipReport
 from minigpt.data.preference import (
     PreferenceRecord,
@@ -381,8 +381,6 @@ def test_standard_string_pairs_end_with_a_sentencepiece_eos_id(tmp_path, shared_
     folder = shared_data / "models" / "stories260K" / "hf"
     if not (folder / "config.json").is_file():
         pytest.skip(f"stories260K is not in {folder}")
-    from minigpt.checkpoint.native import load_tokenizer
-
     tok = load_tokenizer(folder)
     assert tok.eos_id is not None and tok.decode([tok.eos_id]) == ""
     record = PreferenceRecord(*to_preference({"prompt": "Once upon", "chosen": " a time", "rejected": " the sea"}))
@@ -394,3 +392,27 @@ def test_standard_string_pairs_end_with_a_sentencepiece_eos_id(tmp_path, shared_
     last = dpo(DPOConfig(model=str(folder), data=str(data), out_dir=str(tmp_path / "out"), max_steps=1,
                          batch_size=2, device="cpu"))
     assert last["step"] == 1 and math.isfinite(last["loss"])
+
+
+def test_standard_pairs_get_bos_exactly_where_the_source_tokenizer_adds_it(tmp_path, shared_data, base, monkeypatch):
+    """String pairs are encoded as ``tokenizer(text)`` encodes them (TRL 1.x's way): the prompt starts with BOS for
+    a Llama SentencePiece model, not for a MiniGPT byte-level BPE base."""
+    from minigpt.posttrain import dpo as dpo_module
+
+    seen = []
+    real = dpo_module.load_preference_dataset
+
+    def spy(*args, **kwargs):
+        pairs = real(*args, **kwargs)
+        seen.append([p.prompt_ids for p in pairs])
+        return pairs
+
+    monkeypatch.setattr(dpo_module, "load_preference_dataset", spy)
+    data = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Once upon a time", "chosen": " a cat.",
+                                                   "rejected": " a dog ran."}] * 2)
+    llama = shared_data / "models" / "stories260K" / "hf"
+    for source, name in ((llama, "llama"), (base[0], "minigpt")):
+        dpo(DPOConfig(model=str(source), data=str(data), out_dir=str(tmp_path / name), max_steps=1, batch_size=2,
+                      device="cpu"))
+        starts = {ids[0] for ids in seen[-1]}
+        assert (starts == {load_tokenizer(source).bos_id}) == (name == "llama"), (name, starts)

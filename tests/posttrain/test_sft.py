@@ -306,3 +306,30 @@ def test_bad_schedule_options_are_refused_before_the_data_loads(option, value, f
     failed in AdamW only after the data had loaded. The paths here do not exist: the option must fail first."""
     with pytest.raises(MiniGPTError, match=fragment):
         SFTConfig(model="no_model", data="no_data.jsonl", out_dir="no_out", **{option: value})
+
+
+def test_standard_rows_get_bos_exactly_where_the_source_tokenizer_adds_it(tmp_path, shared_data, base, monkeypatch):
+    """`{text}` and string prompt-completion rows are encoded as ``tokenizer(text)`` encodes them (TRL's way): with
+    BOS first for a Llama SentencePiece model, without it for a MiniGPT byte-level BPE base."""
+    from minigpt.posttrain import sft as sft_module
+
+    seen = []
+    real = sft_module.load_chat_dataset
+
+    def spy(*args, **kwargs):
+        examples = real(*args, **kwargs)
+        seen.append([e.input_ids for e in examples])
+        return examples
+
+    monkeypatch.setattr(sft_module, "load_chat_dataset", spy)
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"text": "Once upon a time there was a cat."}) + "\n"
+                    + json.dumps({"prompt": "The dog", "completion": " ran home."}) + "\n")
+    llama = shared_data / "models" / "stories260K" / "hf"
+    for source, name in ((llama, "llama"), (base[0], "minigpt")):
+        sft(SFTConfig(model=str(source), data=str(data), out_dir=str(tmp_path / name), max_steps=1, batch_size=2,
+                      device="cpu"))
+        tok = load_tokenizer(source)
+        starts = {ids[0] for ids in seen[-1]}
+        assert (starts == {tok.bos_id}) == (name == "llama"), (name, starts)
+        assert all(ids[-1] == tok.eos_id for ids in seen[-1])
