@@ -326,19 +326,25 @@ def tokenize_conversation(template: ChatTemplate, messages: "list[dict[str, str]
     return ChatExample(ids, [IGNORE_INDEX] * start + ids[start:], source)
 
 
+def is_plain(record: "list[dict[str, str]] | PromptCompletion") -> bool:
+    """True for a standard (string) prompt-completion or text row, which goes through no chat template."""
+    return isinstance(record, PromptCompletion) and not record.conversational
+
+
 def load_chat_dataset(path: str | Path, template: ChatTemplate, max_seq_len: int, train_on_prompt: bool = False,
-                      strict: bool = False, report: Optional[SkipReport] = None, bos_id: Optional[int] = None
-                      ) -> list[ChatExample]:
+                      strict: bool = False, report: Optional[SkipReport] = None, bos_id: Optional[int] = None,
+                      records: Optional[list] = None) -> list[ChatExample]:
     """Read, convert, render and tokenize a JSONL chat file; conversations longer than ``max_seq_len`` tokens are
     skipped as ``too long`` (never truncated: a cut conversation would teach the model to stop mid-answer).
 
     ``report`` (filled in) gives the counts; ``strict`` raises :class:`MiniGPTError` on the first unusable line;
-    ``bos_id``: what standard rows start with (:func:`tokenize_conversation`). Raises :class:`MiniGPTError` when
-    no conversation is left.
+    ``bos_id``: what standard rows start with (:func:`tokenize_conversation`); ``records``: what
+    :func:`read_conversations` read from ``path`` already. Raises :class:`MiniGPTError` when no conversation is
+    left.
     """
     report = report if report is not None else SkipReport()
     examples = []
-    for where, messages in read_conversations(path, strict, report):
+    for where, messages in (records if records is not None else read_conversations(path, strict, report)):
         example = tokenize_conversation(template, messages, train_on_prompt, where, bos_id)
         if len(example) > max_seq_len or example.n_targets == 0:
             reason = "too long" if len(example) > max_seq_len else "no assistant tokens"

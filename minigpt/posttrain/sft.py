@@ -28,11 +28,13 @@ from minigpt.data.chat import (
     Batch,
     ChatExample,
     SkipReport,
+    is_plain,
     iterate_batches,
     load_chat_dataset,
     masked_lm_loss,
     pack_examples,
     pad_batch,
+    read_conversations,
 )
 from minigpt.errors import MiniGPTError
 from minigpt.posttrain.packing import packed_forward, with_packed_forward
@@ -81,21 +83,27 @@ class SFT(PostTraining):
 
     def load_data(self) -> int:
         cfg, model = self.cfg, self.loaded
-        self.tokenizer, self.template, self.saved_template, self.new_ids = prepare_chat(
-            model, load_tokenizer(self.source), cfg.template, load_chat_template(self.source))
+        report, val_report = SkipReport(), SkipReport()
+        records = read_conversations(cfg.data, cfg.strict, report)
+        val_records = read_conversations(cfg.val_data, cfg.strict, val_report) if cfg.val_data else []
+        tokenizer, model_template = load_tokenizer(self.source), load_chat_template(self.source)
+        if cfg.template or not all(is_plain(r) for _, r in records + val_records):
+            self.tokenizer, self.template, self.saved_template, self.new_ids = prepare_chat(
+                model, tokenizer, cfg.template, model_template)
+        else:  # only standard (string) rows: no chat template is used, and none is added to the model
+            self.tokenizer, self.template, self.saved_template = tokenizer, ChatTemplate(tokenizer), model_template
         self.pad_id = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else (self.tokenizer.eos_id or 0)
         self.seq_len = min(cfg.seq_len or model.config.max_seq_len, model.config.max_seq_len)
-        report = SkipReport()
         # Standard (string) rows are encoded as transformers' tokenizer(text) encodes them, as TRL does.
         bos_id = self.tokenizer.bos_id if adds_bos(self.source, self.tokenizer) else None
         self.train_examples = load_chat_dataset(cfg.data, self.template, self.seq_len, cfg.train_on_prompt,
-                                                cfg.strict, report, bos_id)
+                                                cfg.strict, report, bos_id, records)
         self.say(report.summary(cfg.data), flush=True)
         self.val_examples: list[ChatExample] = []
         if cfg.val_data:
-            val_report = SkipReport()
             self.val_examples = load_chat_dataset(cfg.val_data, self.template, self.seq_len, cfg.train_on_prompt,
-                                                  cfg.strict, val_report, bos_id)[: cfg.max_val_conversations]
+                                                  cfg.strict, val_report, bos_id, val_records
+                                                  )[: cfg.max_val_conversations]
             self.say(val_report.summary(cfg.val_data), flush=True)
         return len(pack_examples(self.train_examples, self.seq_len)) if cfg.pack else len(self.train_examples)
 

@@ -310,7 +310,8 @@ def test_bad_schedule_options_are_refused_before_the_data_loads(option, value, f
 
 def test_standard_rows_get_bos_exactly_where_the_source_tokenizer_adds_it(tmp_path, shared_data, base, monkeypatch):
     """`{text}` and string prompt-completion rows are encoded as ``tokenizer(text)`` encodes them (TRL's way): with
-    BOS first for a Llama SentencePiece model, without it for a MiniGPT byte-level BPE base."""
+    BOS first for a Llama SentencePiece model, without it for a MiniGPT byte-level BPE base; with no conversational
+    row, the model keeps its vocabulary and chat template."""
     from minigpt.posttrain import sft as sft_module
 
     seen = []
@@ -333,3 +334,7 @@ def test_standard_rows_get_bos_exactly_where_the_source_tokenizer_adds_it(tmp_pa
         starts = {ids[0] for ids in seen[-1]}
         assert (starts == {tok.bos_id}) == (name == "llama"), (name, starts)
         assert all(ids[-1] == tok.eos_id for ids in seen[-1])
+        # Only plain rows: no chat template is used, so none is added (ChatML's tokens grew the vocabulary before).
+        out = load_tokenizer(tmp_path / name)
+        assert out.vocab_size == tok.vocab_size and out.token_to_id(IM_START) is None
+        assert load_chat_template(tmp_path / name) == load_chat_template(source)
