@@ -64,13 +64,14 @@ def cmd_dpo(args: argparse.Namespace) -> int:
     (rendered with the model's chat template; "chosen"/"rejected" may also be plain strings after a message-list
     prompt). Answers are scored by their summed token log-probabilities against a frozen reference, the starting
     model (with LoRA: the same model with its adapters disabled; --precompute-ref: its log-probs computed once up
-    front, saving the memory of a second model). --loss ipo: the IPO loss (Azar et al. 2023). metrics.jsonl logs
+    front, saving the memory of a second model). --loss ipo: the IPO loss (Azar et al. 2023). --sft-weight W adds W
+    times the chosen answers' negative log-likelihood per token (TRL's "sft" loss term; RPO). metrics.jsonl logs
     TRL's rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected.
     The run directory, --resume, --config and torchrun work as for `minigpt sft`.
     """
     from minigpt.posttrain.dpo import DPOConfig, dpo
 
-    cfg = _config(DPOConfig, args, RUN_OPTIONS + ("beta", "loss"),
+    cfg = _config(DPOConfig, args, RUN_OPTIONS + ("beta", "loss", "sft_weight"),
                   {**COMMON_SWITCHES, "precompute_ref": ("precompute_ref", True)})
     with output_dir(cfg.out_dir):  # as in sft
         dpo(cfg)
@@ -166,6 +167,8 @@ def register(sub) -> None:
     p.add_argument("--out-dir", dest="out_dir", help="output model and run directory")
     p.add_argument("--beta", type=float, help="strength of the pull towards the reference (default 0.1)")
     p.add_argument("--loss", choices=["sigmoid", "ipo"], help="sigmoid: DPO (default); ipo: IPO, Azar et al. 2023")
+    p.add_argument("--sft-weight", dest="sft_weight", type=float,
+                   help="weight of an SFT term on the chosen answers (default 0: none; TRL's 'sft' loss, RPO)")
     p.add_argument("--precompute-ref", dest="precompute_ref", action="store_true",
                    help="compute the reference log-probs once before training instead of keeping a reference model")
     _add_lora_and_loop_options(p)

@@ -16,6 +16,15 @@ from Human Preferences", eq. 17), a squared loss that does not push the margin t
 with the log-ratios averaged over each answer's tokens ``|y|``, TRL's convention for IPO (``DPOTrainer``, ``trl`` 1.16,
 which states the IPO authors confirmed it; the paper does not normalise by length).
 
+``sft_weight`` ``w`` > 0 adds an SFT term, the chosen answers' negative log-likelihood per token over the batch:
+
+    loss += w * (-sum over chosen answers of log pi(y_c|x)) / (their total tokens)
+
+TRL's ``loss_type=[..., "sft"]`` with ``loss_weights=[1, w]`` (``trl`` 1.16); RPO (Pang et al. 2024, "Iterative
+Reasoning Preference Optimization", eq. 3) adds the same term with each answer normalised by its own length. It keeps
+the policy's probability of the chosen answers up while DPO widens the margin, which DPO alone may reach by lowering
+both.
+
 The reference is a frozen copy of the starting model; with LoRA it is the same model with its adapters disabled
 (:func:`~minigpt.model.lora.adapters_disabled`, as TRL does with PEFT), so no second copy is held; with
 ``precompute_ref`` its log-probs for every pair are computed once before training (TRL's
@@ -69,6 +78,7 @@ class DPOConfig(PostTrainConfig):
 
     beta: float = 0.1
     loss: str = "sigmoid"
+    sft_weight: float = 0.0
     precompute_ref: bool = False
     max_val_pairs: int = 500
 
@@ -79,6 +89,8 @@ class DPOConfig(PostTrainConfig):
             raise MiniGPTError(f"--beta must be positive, got {self.beta}")
         if self.loss not in LOSS_TYPES:
             raise MiniGPTError(f"--loss {self.loss!r}: choose one of {', '.join(LOSS_TYPES)}")
+        if not 0 <= self.sft_weight < float("inf"):
+            raise MiniGPTError(f"--sft-weight must be a finite number >= 0, got {self.sft_weight}")
         super().__post_init__()
 
 
@@ -110,6 +122,12 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
     else:
         raise MiniGPTError(f"unknown DPO loss type {loss_type!r}; choose one of {', '.join(LOSS_TYPES)}")
     return losses, beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
+
+
+def chosen_nll(chosen_logps: torch.Tensor, chosen_lengths: torch.Tensor) -> torch.Tensor:
+    """The SFT term (module docstring): the chosen answers' summed log-probs ``[batch]`` over their total tokens
+    ``[batch]``, negated; a scalar in nats per token."""
+    return -chosen_logps.sum() / chosen_lengths.sum().clamp(min=1)
 
 
 def pair_metrics(losses: torch.Tensor, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
@@ -179,10 +197,11 @@ class Reference:
         return self.live(batch, ctx)
 
 
-def batch_loss(model, reference: Reference, batch: PairBatch, name: str, beta: float, loss_type: str, ctx
-               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Mean DPO loss of a pair batch (plus MoE router losses) and its per-pair metrics: one forward of the policy
-    over chosen and rejected rows together, one of the reference (or a table lookup)."""
+def batch_loss(model, reference: Reference, batch: PairBatch, name: str, beta: float, loss_type: str, ctx,
+               sft_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Mean DPO loss of a pair batch (with ``sft_weight`` times :func:`chosen_nll`, plus MoE router losses) and its
+    per-pair metrics: one forward of the policy over chosen and rejected rows together, one of the reference (or a
+    table lookup)."""
     with ctx():
         logps = sequence_logps(model, batch)
     aux = model.pop_aux_loss()
@@ -191,6 +210,8 @@ def batch_loss(model, reference: Reference, batch: PairBatch, name: str, beta: f
     lengths = batch.completion_lengths
     losses, chosen_rewards, rejected_rewards = dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], beta, loss_type,
                                                         lengths[:n], lengths[n:])
+    if sft_weight:  # TRL spreads the batch's SFT term over its pairs: the logged loss is the total
+        losses = losses + sft_weight * chosen_nll(logps[:n], lengths[:n])
     return losses.mean() + aux, pair_metrics(losses, chosen_rewards, rejected_rewards, logps[:n], logps[n:])
 
 
@@ -202,7 +223,7 @@ def evaluate(model, reference: Reference, pairs: list[PreferencePair], cfg: DPOC
     with _eval_mode(model):
         for i in range(0, len(pairs), cfg.batch_size):
             batch = pad_pairs(pairs[i : i + cfg.batch_size], pad_id, range(i, min(i + cfg.batch_size, len(pairs))))
-            _, values = batch_loss(model, reference, batch.to(device), name, cfg.beta, cfg.loss, ctx)
+            _, values = batch_loss(model, reference, batch.to(device), name, cfg.beta, cfg.loss, ctx, cfg.sft_weight)
             for k, v in values.items():
                 totals[k].append(v)
     return {k: torch.cat(v).mean().item() for k, v in totals.items()}
@@ -257,7 +278,8 @@ class DPO(PostTraining):
     def describe(self, model) -> str:
         cfg = self.cfg
         reference = "precomputed" if cfg.precompute_ref else "adapters disabled" if cfg.lora else "frozen copy"
-        return (f"{super().describe(model).replace(' DPO of', f' DPO ({cfg.loss}, beta {cfg.beta}) of')} | "
+        sft = f", SFT term x {cfg.sft_weight:g}" if cfg.sft_weight else ""
+        return (f"{super().describe(model).replace(' DPO of', f' DPO ({cfg.loss}, beta {cfg.beta}{sft}) of')} | "
                 f"{len(self.train_pairs)} pairs, {self.steps_per_epoch} steps/epoch of {cfg.batch_size} | "
                 f"reference: {reference} | device {self.device}")
 
@@ -297,6 +319,8 @@ class DPO(PostTraining):
         lengths = batch.completion_lengths
         losses, chosen_rewards, rejected_rewards = dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], self.cfg.beta,
                                                             self.cfg.loss, lengths[:n], lengths[n:])
+        if self.cfg.sft_weight:
+            losses = losses + self.cfg.sft_weight * chosen_nll(logps[:n], lengths[:n])
         for k, v in pair_metrics(losses, chosen_rewards, rejected_rewards, logps[:n], logps[n:]).items():
             self.record(k, v)
         return losses.mean()

@@ -88,18 +88,21 @@ def test_dpo_and_ipo_losses_by_hand():
         dpo_loss(t(pi_c), t(pi_r), t(ref_c), t(ref_r), beta, "hinge")
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "sigmoid+sft"])
 @pytest.mark.parametrize("layout", ["standard", "conversational"])
 def test_parity_with_trl_dpo_trainer(tmp_path, tokenizer, loss_type, layout):
     """The same tiny Llama (policy) and another (reference) in MiniGPT and transformers; TRL's DPOTrainer tokenizes
     the pairs, collates them and computes the loss and its logged metrics: ours equal them in float32, and so do the
-    gradients."""
+    gradients. "sigmoid+sft": TRL's loss_type ["sigmoid", "sft"] with loss_weights [1, 0.7], ours sft_weight 0.7."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test-only dependency")
     trl = pytest.importorskip("trl", reason="trl is a test-only dependency")
     datasets = pytest.importorskip("datasets", reason="datasets comes with trl")
     rows = (standard_rows if layout == "standard" else conversational_rows)(6, seed=1)
     policy, ref = tiny_model(tokenizer.vocab_size, seed=0), tiny_model(tokenizer.vocab_size, seed=4)
-    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), beta=0.2, loss_type=[loss_type], report_to="none",
+    loss_type, sft_weight = ("sigmoid", 0.7) if loss_type == "sigmoid+sft" else (loss_type, 0.0)
+    weights = dict(loss_type=[loss_type, "sft"], loss_weights=[1.0, sft_weight]) if sft_weight else \
+        dict(loss_type=[loss_type])
+    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), beta=0.2, report_to="none", **weights,
                          use_cpu=True, bf16=False, max_length=None, per_device_train_batch_size=len(rows))
     trainer = trl.DPOTrainer(model=hf_copy(policy), ref_model=hf_copy(ref), args=args,
                              train_dataset=datasets.Dataset.from_list(rows),
@@ -115,7 +118,7 @@ def test_parity_with_trl_dpo_trainer(tmp_path, tokenizer, loss_type, layout):
     expected = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     policy.train()
     loss, values = batch_loss(policy, Reference(policy, ref), pad_pairs(pairs, tokenizer.pad_id), "train", 0.2,
-                              loss_type, NULL)
+                              loss_type, NULL, sft_weight)
     torch.testing.assert_close(loss, expected_loss, atol=1e-5, rtol=1e-6)
     for k in METRICS[1:]:
         assert values[k].mean().item() == pytest.approx(expected[k], abs=1e-5, rel=1e-6), k
@@ -334,8 +337,11 @@ def test_dpo_cli_errors_are_one_line(tmp_path, base):
     assert_one_line_error(run_cli("dpo", "--data", bad, "--strict", *common), "bad.jsonl:25", "identical answers")
     assert_one_line_error(run_cli("dpo", "--data", train, "--beta", 0, *common), "--beta")
     assert_one_line_error(run_cli("dpo", "--data", tmp_path / "none.jsonl", *common), "does not exist")
-    proc = run_cli("dpo", "--data", bad, *common)
+    for weight in (-1, "nan", "inf"):
+        assert_one_line_error(run_cli("dpo", "--data", train, "--sft-weight", weight, *common), "--sft-weight")
+    proc = run_cli("dpo", "--data", bad, "--sft-weight", 0.5, *common)
     assert proc.returncode == 0 and "24 pairs, 1 skipped (identical answers 1)" in proc.stdout
+    assert "DPO (sigmoid, beta 0.1, SFT term x 0.5) of" in proc.stdout
 
 
 # ---------------------------------------------------------------------------------------- real data
