@@ -44,7 +44,7 @@ chat-demo: install
 	test -d runs/tiny-tang-poems || $(MAKE) demo-zh
 	$(PY) scripts/build_poetry_sets.py --out-dir data/poetry
 	$(VENV)/bin/minigpt sft --model runs/tiny-tang-poems --data data/poetry/sft_train.jsonl --val-data data/poetry/sft_val.jsonl --out-dir runs/poetry-sft --max-time 600 --lr 1e-3 --batch-size 16 --seq-len 256
-	$(VENV)/bin/minigpt dpo --model runs/poetry-sft --data data/poetry/dpo_train.jsonl --val-data data/poetry/dpo_val.jsonl --out-dir runs/poetry-dpo --max-time 300 --beta 0.1 --lr 5e-6 --batch-size 8 --seq-len 256
+	$(VENV)/bin/minigpt dpo --model runs/poetry-sft --data data/poetry/dpo_train.jsonl --val-data data/poetry/dpo_val.jsonl --out-dir runs/poetry-dpo --max-time 300 --beta 0.1 --lr 5e-6 --sft-weight 1.0 --batch-size 8 --seq-len 256
 	$(PY) scripts/poetry_form_table.py --prompts data/poetry/eval_prompts.jsonl runs/tiny-tang-poems runs/poetry-sft runs/poetry-dpo
 
 # Lint (pyflakes, isort, bugbear) and the layering contract (pyproject.toml, docs/architecture.md) before the tests.

@@ -113,3 +113,17 @@ def assert_same_run(a, b):
     assert [r["step"] for r in rows[1]] == [r["step"] for r in rows[0]]  # no duplicated or missing step
     for ra, rb in zip(*rows):
         assert {k: v for k, v in ra.items() if k not in TIMING} == {k: v for k, v in rb.items() if k not in TIMING}
+
+
+def record_results(monkeypatch, module, name, keep):
+    """Wrap ``module.name`` (a function) so that ``keep(result)`` of each call is appended to the list returned."""
+    seen = []
+    real = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        result = real(*args, **kwargs)
+        seen.append(keep(result))
+        return result
+
+    monkeypatch.setattr(module, name, wrapper)
+    return seen

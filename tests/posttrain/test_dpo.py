@@ -7,7 +7,16 @@ import random
 
 import pytest
 import torch
-from chat_helpers import assert_same_run, chat_tokenizer, crash_after, hf_copy, save_hf_tokenizer, sentence, tiny_model
+from chat_helpers import (
+    assert_same_run,
+    chat_tokenizer,
+    crash_after,
+    hf_copy,
+    record_results,
+    save_hf_tokenizer,
+    sentence,
+    tiny_model,
+)
 from conftest import assert_one_line_error, run_cli
 
 from minigpt.checkpoint.adapter import CONFIG_NAME, load_adapter
@@ -405,15 +414,7 @@ def test_standard_pairs_get_bos_exactly_where_the_source_tokenizer_adds_it(tmp_p
     a Llama SentencePiece model, not for a MiniGPT byte-level BPE base."""
     from minigpt.posttrain import dpo as dpo_module
 
-    seen = []
-    real = dpo_module.load_preference_dataset
-
-    def spy(*args, **kwargs):
-        pairs = real(*args, **kwargs)
-        seen.append([p.prompt_ids for p in pairs])
-        return pairs
-
-    monkeypatch.setattr(dpo_module, "load_preference_dataset", spy)
+    seen = record_results(monkeypatch, dpo_module, "load_preference_dataset", lambda pairs: [p.prompt_ids for p in pairs])
     data = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Once upon a time", "chosen": " a cat.",
                                                    "rejected": " a dog ran."}] * 2)
     llama = shared_data / "models" / "stories260K" / "hf"

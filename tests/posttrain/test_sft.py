@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from chat_helpers import assert_same_run, chat_tokenizer, conversations, crash_after, tiny_model
+from chat_helpers import assert_same_run, chat_tokenizer, conversations, crash_after, record_results, tiny_model
 from conftest import assert_one_line_error, run_cli
 
 from minigpt.checkpoint.adapter import CONFIG_NAME, load_adapter
@@ -314,15 +314,7 @@ def test_standard_rows_get_bos_exactly_where_the_source_tokenizer_adds_it(tmp_pa
     row, the model keeps its vocabulary and chat template."""
     from minigpt.posttrain import sft as sft_module
 
-    seen = []
-    real = sft_module.load_chat_dataset
-
-    def spy(*args, **kwargs):
-        examples = real(*args, **kwargs)
-        seen.append([e.input_ids for e in examples])
-        return examples
-
-    monkeypatch.setattr(sft_module, "load_chat_dataset", spy)
+    seen = record_results(monkeypatch, sft_module, "load_chat_dataset", lambda examples: [e.input_ids for e in examples])
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps({"text": "Once upon a time there was a cat."}) + "\n"
                     + json.dumps({"prompt": "The dog", "completion": " ran home."}) + "\n")
