@@ -103,12 +103,13 @@ def sequence_logps(model, batch: PairBatch) -> torch.Tensor:
 
 def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
              ref_rejected_logps: torch.Tensor, beta: float, loss_type: str = "sigmoid",
-             chosen_lengths: Optional[torch.Tensor] = None, rejected_lengths: Optional[torch.Tensor] = None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             chosen_lengths: Optional[torch.Tensor] = None, rejected_lengths: Optional[torch.Tensor] = None,
+             sft_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair losses, chosen rewards and rejected rewards, each ``[batch]``, from summed answer log-probs
     ``[batch]`` of the policy and the reference (formulas and sources in the module docstring). The rewards are
-    ``beta * (logp - ref_logp)``, detached. ``loss_type="ipo"`` needs the answers' token counts
-    (``chosen_lengths`` / ``rejected_lengths``, clamped to >= 1 as TRL does). Raises :class:`MiniGPTError` for an
+    ``beta * (logp - ref_logp)``, detached. ``loss_type="ipo"`` and ``sft_weight`` > 0 need the answers' token
+    counts (``chosen_lengths`` / ``rejected_lengths``, clamped to >= 1 as TRL does); ``sft_weight`` times
+    :func:`chosen_nll` is added to every pair's loss, as TRL spreads its batch-level SFT term. Raises :class:`MiniGPTError` for an
     unknown loss type."""
     chosen_logratios = chosen_logps - ref_chosen_logps
     rejected_logratios = rejected_logps - ref_rejected_logps
@@ -121,6 +122,8 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
         losses = (h - 1 / (2 * beta)) ** 2
     else:
         raise MiniGPTError(f"unknown DPO loss type {loss_type!r}; choose one of {', '.join(LOSS_TYPES)}")
+    if sft_weight:
+        losses = losses + sft_weight * chosen_nll(chosen_logps, chosen_lengths)
     return losses, beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
 
 
@@ -209,9 +212,7 @@ def batch_loss(model, reference: Reference, batch: PairBatch, name: str, beta: f
     n = logps.shape[0] // 2
     lengths = batch.completion_lengths
     losses, chosen_rewards, rejected_rewards = dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], beta, loss_type,
-                                                        lengths[:n], lengths[n:])
-    if sft_weight:  # TRL spreads the batch's SFT term over its pairs: the logged loss is the total
-        losses = losses + sft_weight * chosen_nll(logps[:n], lengths[:n])
+                                                        lengths[:n], lengths[n:], sft_weight)
     return losses.mean() + aux, pair_metrics(losses, chosen_rewards, rejected_rewards, logps[:n], logps[n:])
 
 
@@ -318,9 +319,8 @@ class DPO(PostTraining):
         n = logps.shape[0] // 2
         lengths = batch.completion_lengths
         losses, chosen_rewards, rejected_rewards = dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], self.cfg.beta,
-                                                            self.cfg.loss, lengths[:n], lengths[n:])
-        if self.cfg.sft_weight:
-            losses = losses + self.cfg.sft_weight * chosen_nll(logps[:n], lengths[:n])
+                                                            self.cfg.loss, lengths[:n], lengths[n:],
+                                                            self.cfg.sft_weight)
         for k, v in pair_metrics(losses, chosen_rewards, rejected_rewards, logps[:n], logps[n:]).items():
             self.record(k, v)
         return losses.mean()
