@@ -8,7 +8,6 @@ document boundaries, as in nanoGPT / GPT-2 training.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Dict, Tuple
