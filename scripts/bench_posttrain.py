@@ -50,7 +50,8 @@ import trl
 from minigpt.checkpoint.adapter import adapter_state_dict
 from minigpt.checkpoint.convert import export_hf
 from minigpt.checkpoint.native import save_pretrained
-from minigpt.data.chat import IGNORE_INDEX, ChatExample, pad_batch
+from minigpt.data.chat import IGNORE_INDEX, ChatExample
+from minigpt.data.chat_batches import pad_batch
 from minigpt.data.preference import PreferencePair, pad_pairs
 from minigpt.model.config import preset
 from minigpt.model.lora import HF_TARGETS, apply_lora, trainable_parameters

@@ -3,48 +3,52 @@
 Input: one JSON object per line, in any of five layouts, converted on load to OpenAI's ``messages`` (all but
 prompt-completion and text records):
 
-* OpenAI / TRL: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`` (multi-turn; a
-  content may also be a list of text parts, ``[{"type": "text", "text": str}, ...]``, which are joined);
+* OpenAI / TRL: ``{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...], "tools"?}``
+  (multi-turn; a content may also be a list of text parts, ``[{"type": "text", "text": str}, ...]``, which are
+  joined; tool use below);
 * TRL's prompt-completion: ``{"prompt": [messages], "completion": [messages]}`` (through the chat template) or
   ``{"prompt": str, "completion": str}`` (the strings joined, no template, EOS appended), kept as a
   :class:`PromptCompletion`: only the completion is scored, as TRL's ``SFTTrainer`` does for this layout;
 * TRL's language modeling: ``{"text": str}`` -> the text and EOS, every token scored;
 * Alpaca (Taori et al. 2023): ``{"instruction", "input", "output"}`` -> one user turn (``instruction``, plus
   ``"\\n\\n" + input`` when ``input`` is non-empty, the rule of the data in ``shared/data/sft``) and one assistant turn;
-* ShareGPT: ``{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}``.
+* ShareGPT: ``{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...], "system"?}``; with tools
+  as LLaMA-Factory writes them: ``function_call`` turns (a JSON ``{"name", "arguments"}`` or a list of them: an
+  assistant's calls), ``observation`` turns (a tool's result) and a ``tools`` JSON string.
 
 A line that cannot be used (not valid UTF-8, invalid JSON, unknown layout or role, empty content, no assistant turn,
-longer than the model's context once rendered) is skipped and counted; :class:`SkipReport` prints one summary line
+a malformed tool call or ``tools``, messages the template rejects or whose tools it leaves out, longer than the
+model's context once rendered) is skipped and counted; :class:`SkipReport` prints one summary line
 (with the line numbers of the lines that are not UTF-8). With ``strict=True`` the first such line raises
 :class:`~minigpt.errors.MiniGPTError` naming ``file:line`` instead.
 
 Labels follow the Hugging Face convention: ``labels`` is aligned with ``input_ids`` and holds ``-100`` (ignored)
 everywhere except the assistant turns' tokens, their closing ``<|im_end|>`` included (``train_on_prompt``: every
-token); the model's logits at position ``t`` are scored against ``labels[t + 1]`` (:func:`masked_lm_loss`).
+token); the model's logits at position ``t`` are scored against ``labels[t + 1]``
+(:func:`minigpt.data.chat_batches.masked_lm_loss`, beside the padded and packed batches).
 
-Batches: rows right-padded to the longest (:func:`pad_batch`; causal attention never lets a real token see the
-padding after it), or several conversations packed per row (:func:`pack_examples`, :func:`packed_batch`) with
-positions restarting at each conversation and a block-diagonal causal mask, so that packing changes no logit.
+Tool use, as TRL reads it: a row's ``tools`` column (function definitions, or a JSON string of them) is given to the
+chat template; assistant messages may carry OpenAI ``tool_calls`` (their ``arguments`` decoded to objects, as the
+server does) with no content, and ``tool`` messages hold the results. Calls are assistant tokens, scored; results
+are not. A template that leaves any of them out of the text skips the row (``tools not rendered``); the default
+ChatML writes them in the Hermes format (:mod:`minigpt.tokenizer.chat_template`).
 """
 from __future__ import annotations
 
-import random
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
 
-import torch
-import torch.nn.functional as F
-
 from minigpt.data.text import utf8_message
 from minigpt.errors import MiniGPTError, json_loads
-from minigpt.tokenizer.chat_template import ChatTemplate
+from minigpt.tokenizer.chat_template import ChatTemplate, TemplateRejected
+from minigpt.tokenizer.tool_messages import BadToolPart, template_tool_calls, tool_names, tools_column
 
 IGNORE_INDEX = -100  # PyTorch's cross_entropy default ignore_index, and Hugging Face's label convention
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
-                  "system": "system"}
+                  "system": "system", "observation": "tool", "function_call": "assistant"}
 
 
 @dataclass
@@ -123,15 +127,65 @@ def content_text(content: Any) -> Any:
     return "".join(texts)
 
 
-def _openai_messages(raw: Any, what: str) -> list[dict[str, Any]]:
+class Conversation(list):
+    """A conversation's messages (a list of OpenAI message dicts) and its row's ``tools``: the function
+    definitions the chat template is given (TRL's ``tools`` column), or None."""
+
+    def __init__(self, messages: Iterable[dict[str, Any]] = (), tools: Optional[list[dict]] = None) -> None:
+        super().__init__(messages)
+        self.tools = tools
+
+
+def openai_messages(raw: Any, what: str) -> list[dict[str, Any]]:
+    """Messages with their ``role`` and text ``content``; an assistant's ``tool_calls`` (decoded as the server
+    decodes them: :func:`~minigpt.tokenizer.tool_messages.template_tool_calls`; its content may then be absent)
+    and a tool message's ``tool_call_id`` and ``name`` are kept."""
     if not isinstance(raw, list):
         raise BadLine("unknown format", f"{what} is not a list")
     messages = []
-    for m in raw:
+    for i, m in enumerate(raw):
         if not isinstance(m, dict) or "role" not in m:
             raise BadLine("unknown format", f"a message of {what} is not an object with a 'role'")
-        messages.append({"role": m["role"], "content": content_text(m.get("content"))})
+        message = {"role": m["role"], "content": content_text(m.get("content"))}
+        if m["role"] == "assistant" and m.get("tool_calls") is not None:
+            try:
+                message["tool_calls"] = template_tool_calls(m["tool_calls"], f"{what}[{i}].tool_calls")
+            except BadToolPart as e:
+                raise BadLine("bad tool call", str(e)) from None
+            if message["content"] is None:
+                message["content"] = ""
+        elif m["role"] == "tool":
+            message.update({k: m[k] for k in ("tool_call_id", "name") if isinstance(m.get(k), str)})
+        messages.append(message)
     return messages
+
+
+def _sharegpt_calls(value: Any, i: int) -> list[dict]:
+    """The calls of LLaMA-Factory's ShareGPT ``function_call`` turn (a JSON string of ``{"name", "arguments"}`` or
+    of a list of them) as OpenAI ``tool_calls`` for the template. Raises :class:`BadLine`."""
+    where = f"'conversations'[{i}].value"
+    try:
+        calls = json_loads(value) if isinstance(value, str) else value
+    except ValueError:
+        raise BadLine("bad tool call", f"{where} is not JSON") from None
+    calls = calls if isinstance(calls, list) else [calls]
+    if not calls or not all(isinstance(c, dict) for c in calls):
+        raise BadLine("bad tool call", f"{where} must hold {{'name', 'arguments'}} or a list of them")
+    try:
+        return template_tool_calls([{"type": "function", "function": {"name": c.get("name"),
+                                                                      "arguments": c.get("arguments", {})}}
+                                    for c in calls], where)
+    except BadToolPart as e:
+        raise BadLine("bad tool call", str(e)) from None
+
+
+def row_tools(record: dict) -> Optional[list[dict]]:
+    """The row's ``tools`` column (:func:`~minigpt.tokenizer.tool_messages.tools_column`); :class:`BadLine` if
+    malformed."""
+    try:
+        return tools_column(record.get("tools"))
+    except BadToolPart as e:
+        raise BadLine("bad tools", str(e)) from None
 
 
 def to_messages(record: Any) -> list[dict[str, str]]:
@@ -139,18 +193,21 @@ def to_messages(record: Any) -> list[dict[str, str]]:
     if not isinstance(record, dict):
         raise BadLine("unknown format", f"expected a JSON object, got {type(record).__name__}")
     if "messages" in record:
-        messages = _openai_messages(record["messages"], "'messages'")
+        messages = openai_messages(record["messages"], "'messages'")
     elif "conversations" in record:
         raw = record["conversations"]
         if not isinstance(raw, list):
             raise BadLine("unknown format", "'conversations' is not a list")
-        messages = []
-        for m in raw:
+        messages = [{"role": "system", "content": record["system"]}] if record.get("system") else []
+        for i, m in enumerate(raw):
             if not isinstance(m, dict) or "from" not in m:
                 raise BadLine("unknown format", "a ShareGPT turn is not an object with 'from'")
             if m["from"] not in SHAREGPT_ROLES:
                 raise BadLine("unknown role", repr(m["from"]))
-            messages.append({"role": SHAREGPT_ROLES[m["from"]], "content": m.get("value")})
+            if m["from"] == "function_call":
+                messages.append({"role": "assistant", "content": "", "tool_calls": _sharegpt_calls(m.get("value"), i)})
+            else:
+                messages.append({"role": SHAREGPT_ROLES[m["from"]], "content": m.get("value")})
     elif "instruction" in record and "output" in record:
         prompt, extra = record["instruction"], record.get("input") or ""
         if isinstance(prompt, str) and isinstance(extra, str) and extra.strip():
@@ -161,31 +218,35 @@ def to_messages(record: Any) -> list[dict[str, str]]:
     else:
         raise BadLine("unknown format", "expected 'messages', 'prompt'/'completion', 'text', 'conversations' or "
                                         "'instruction'/'output'")
-    _check_messages(messages)
+    check_messages(messages)
     if not any(m["role"] == "assistant" for m in messages):
         raise BadLine("no assistant turn")
-    return messages
+    return Conversation(messages, row_tools(record))
 
 
-def _check_messages(messages: list[dict[str, Any]]) -> None:
+def check_messages(messages: list[dict[str, Any]]) -> None:
+    """Raise :class:`BadLine` for an unknown role, a content that is not a string, or an empty one (allowed for an
+    assistant message with calls and for a tool's result)."""
     for m in messages:
         if m["role"] not in ROLES:
             raise BadLine("unknown role", repr(m["role"]))
         if not isinstance(m["content"], str):
             raise BadLine("content not text", f"a {m['role']} message's content is a JSON "
                           f"{type(m['content']).__name__}, not a string")
-        if not m["content"].strip():
+        # A call may come without words, and a tool may answer with an empty string.
+        if not m["content"].strip() and not m.get("tool_calls") and m["role"] != "tool":
             raise BadLine("empty content", f"a {m['role']} message")
 
 
 @dataclass(frozen=True)
 class PromptCompletion:
     """A record of TRL's prompt-completion layout: ``prompt`` and ``completion`` both non-empty strings (standard)
-    or both lists of validated messages (conversational). Only the completion is scored, as TRL's
-    ``completion_only_loss`` does for this layout (:func:`tokenize_conversation`)."""
+    or both lists of validated messages (conversational, with the row's ``tools``). Only the completion is scored,
+    as TRL's ``completion_only_loss`` does for this layout (:func:`tokenize_conversation`)."""
 
     prompt: Any
     completion: Any
+    tools: Optional[list[dict]] = None
 
     @property
     def conversational(self) -> bool:
@@ -205,12 +266,13 @@ def to_record(record: Any) -> "list[dict[str, str]] | PromptCompletion":
         return to_messages(record)
     prompt, completion = record["prompt"], record["completion"]
     if isinstance(prompt, list) and isinstance(completion, list):
-        prompt, completion = _openai_messages(prompt, "'prompt'"), _openai_messages(completion, "'completion'")
+        prompt, completion = openai_messages(prompt, "'prompt'"), openai_messages(completion, "'completion'")
         if not prompt or not completion:
             raise BadLine("unknown format", "'prompt' and 'completion' must not be empty lists")
-        _check_messages(prompt + completion)
+        check_messages(prompt + completion)
         if not any(m["role"] == "assistant" for m in completion):
             raise BadLine("no assistant turn", "the completion has no assistant message")
+        return PromptCompletion(prompt, completion, row_tools(record))
     elif isinstance(prompt, str) and isinstance(completion, str):
         for name, value in (("prompt", prompt), ("completion", completion)):
             if not value.strip():
@@ -301,16 +363,25 @@ def tokenize_conversation(template: ChatTemplate, messages: "list[dict[str, str]
     completion (conversational: through the chat template; standard: the two strings joined, with the tokenizer's
     EOS text appended to the completion unless it ends with it, or the EOS id where that token has no text), and
     labels only after the longest prefix those ids share with the prompt's own ids (conversational: the prompt
-    with the generation prompt). Standard text is encoded by :func:`encode_plain` (``bos_id``). Raises
-    :class:`MiniGPTError` for a standard record when the tokenizer has no EOS."""
+    with the generation prompt). Standard text is encoded by :func:`encode_plain` (``bos_id``).
+
+    The record's ``tools`` (:class:`Conversation`, :class:`PromptCompletion`) are given to the template, as TRL
+    gives a row's ``tools`` column. Raises :class:`BadLine` (``tools not rendered``) when the record has tools,
+    tool calls or tool results and the template leaves any of them out of the text (a template without a tools
+    section: training on it would teach answers to questions the model never saw), :class:`TemplateRejected` when
+    the template rejects the messages, and :class:`MiniGPTError` for a standard record when the tokenizer has no
+    EOS."""
+    tools = getattr(messages, "tools", None)
     if not isinstance(messages, PromptCompletion):
-        ids, mask = template.encode_with_mask(messages)
+        check_tools_rendered(template, messages, tools)
+        ids, mask = template.encode_with_mask(messages, tools)
         labels = [i if (m or train_on_prompt) else IGNORE_INDEX for i, m in zip(ids, mask)]
         return ChatExample(ids, labels, source)
     record = messages
     if record.conversational:
-        prompt_ids = template.encode(record.prompt, add_generation_prompt=True)
-        ids = template.encode(record.prompt + record.completion)
+        check_tools_rendered(template, record.prompt + record.completion, tools)
+        prompt_ids = template.encode(record.prompt, add_generation_prompt=True, tools=tools)
+        ids = template.encode(record.prompt + record.completion, tools=tools)
     else:
         tok = template.tokenizer
         if tok.eos_id is None:
@@ -324,6 +395,21 @@ def tokenize_conversation(template: ChatTemplate, messages: "list[dict[str, str]
             ids = encode_plain(template, record.prompt + record.completion, bos_id) + [tok.eos_id]
     start = 0 if train_on_prompt or not record.prompt else common_prefix(prompt_ids, ids)
     return ChatExample(ids, [IGNORE_INDEX] * start + ids[start:], source)
+
+
+def check_tools_rendered(template: ChatTemplate, messages: list[dict[str, Any]], tools: Optional[list[dict]]) -> None:
+    """Raise :class:`BadLine` (``tools not rendered``) unless the rendered text names every defined tool and every
+    call, and holds every tool result. Nothing is rendered for a conversation without any of them."""
+    calls = [c["function"]["name"] for m in messages for c in m.get("tool_calls") or []]
+    results = [m["content"] for m in messages if m["role"] == "tool"]
+    if not (tools or calls or results):
+        return
+    text = template.render(messages, tools=tools)
+    for kind, values in (("tool", tool_names(tools)), ("call of", calls), ("tool result", results)):
+        missing = next((v for v in values if v not in text), None)
+        if missing is not None:
+            raise BadLine("tools not rendered", f"the chat template leaves out the {kind} {missing[:40]!r}; give "
+                          "one that writes tools (the default ChatML does: omit --template)")
 
 
 def is_plain(record: "list[dict[str, str]] | PromptCompletion") -> bool:
@@ -345,7 +431,14 @@ def load_chat_dataset(path: str | Path, template: ChatTemplate, max_seq_len: int
     report = report if report is not None else SkipReport()
     examples = []
     for where, messages in (records if records is not None else read_conversations(path, strict, report)):
-        example = tokenize_conversation(template, messages, train_on_prompt, where, bos_id)
+        try:
+            example = tokenize_conversation(template, messages, train_on_prompt, where, bos_id)
+        except (BadLine, TemplateRejected) as e:
+            reason = e.reason if isinstance(e, BadLine) else "template rejected"
+            if strict:
+                raise MiniGPTError(f"{where}: {e}") from None
+            report.skipped[reason] += 1
+            continue
         if len(example) > max_seq_len or example.n_targets == 0:
             reason = "too long" if len(example) > max_seq_len else "no assistant tokens"
             if strict:
@@ -357,113 +450,3 @@ def load_chat_dataset(path: str | Path, template: ChatTemplate, max_seq_len: int
     if not examples:
         raise MiniGPTError(f"{report.summary(str(path))}: no usable conversation")
     return examples
-
-
-# ------------------------------------------------------------------------------------------------ batching
-@dataclass
-class Batch:
-    """Model inputs: ``tokens`` / ``labels`` ``[batch, seq_len]`` (int64); for packed rows also ``position_ids``
-    (restarting at 0 per conversation) and ``doc_ids`` (``-1`` on padding). ``n_pad``: padding tokens."""
-
-    tokens: torch.Tensor
-    labels: torch.Tensor
-    position_ids: Optional[torch.Tensor] = None
-    doc_ids: Optional[torch.Tensor] = None
-    n_pad: int = 0
-
-    @property
-    def padding_fraction(self) -> float:
-        return self.n_pad / self.tokens.numel()
-
-    def to(self, device) -> "Batch":
-        move = (lambda t: None if t is None else t.to(device))  # noqa: E731
-        return Batch(move(self.tokens), move(self.labels), move(self.position_ids), move(self.doc_ids), self.n_pad)
-
-
-def pad_batch(examples: list[ChatExample], pad_id: int) -> Batch:
-    """Right-pad ``examples`` to the longest; padding has label ``-100``."""
-    width = max(len(e) for e in examples)
-    tokens = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
-    for row, e in enumerate(examples):
-        tokens[row, : len(e)] = torch.tensor(e.input_ids)
-        labels[row, : len(e)] = torch.tensor(e.labels)
-    return Batch(tokens, labels, n_pad=tokens.numel() - sum(len(e) for e in examples))
-
-
-def pack_examples(examples: list[ChatExample], seq_len: int) -> list[list[int]]:
-    """Group example indices into rows of at most ``seq_len`` tokens: first fit, in the given order (each
-    example goes into the first row with room, else opens a new one). Raises ``ValueError`` for an example longer
-    than ``seq_len``."""
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i, e in enumerate(examples):
-        if len(e) > seq_len:
-            raise ValueError(f"example {e.source or i} has {len(e)} tokens, more than the row length {seq_len}")
-        for r, free in enumerate(room):
-            if len(e) <= free:
-                rows[r].append(i)
-                room[r] -= len(e)
-                break
-        else:
-            rows.append([i])
-            room.append(seq_len - len(e))
-    return rows
-
-
-def packed_batch(rows: list[list[ChatExample]], pad_id: int, seq_len: Optional[int] = None) -> Batch:
-    """Concatenate each row's conversations; pad rows to ``seq_len`` (default: the longest row).
-
-    The first token of every conversation gets label ``-100``: run alone, nothing predicts it, so nothing may
-    predict it from the previous conversation's last token either.
-    """
-    width = seq_len or max(sum(len(e) for e in row) for row in rows)
-    shape = (len(rows), width)
-    tokens = torch.full(shape, pad_id, dtype=torch.long)
-    labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
-    positions = torch.zeros(shape, dtype=torch.long)
-    docs = torch.full(shape, -1, dtype=torch.long)
-    n_real = 0
-    for r, row in enumerate(rows):
-        start = 0
-        for d, e in enumerate(row):
-            end = start + len(e)
-            tokens[r, start:end] = torch.tensor(e.input_ids)
-            labels[r, start:end] = torch.tensor(e.labels)
-            labels[r, start] = IGNORE_INDEX
-            positions[r, start:end] = torch.arange(len(e))
-            docs[r, start:end] = d
-            start = end
-        n_real += start
-    return Batch(tokens, labels, positions, docs, n_pad=tokens.numel() - n_real)
-
-
-def iterate_batches(examples: list[ChatExample], batch_size: int, pad_id: int, pack: bool, seq_len: int,
-                    seed: int = 0, epoch: int = 0) -> Iterable[Batch]:
-    """One epoch of batches: the examples shuffled (``seed + epoch``), then padded in groups of ``batch_size``, or
-    packed into rows of ``seq_len`` tokens and grouped ``batch_size`` rows at a time."""
-    order = list(range(len(examples)))
-    random.Random(seed + epoch).shuffle(order)
-    shuffled = [examples[i] for i in order]
-    if not pack:
-        for i in range(0, len(shuffled), batch_size):
-            yield pad_batch(shuffled[i : i + batch_size], pad_id)
-        return
-    rows = pack_examples(shuffled, seq_len)
-    for i in range(0, len(rows), batch_size):
-        yield packed_batch([[shuffled[j] for j in row] for row in rows[i : i + batch_size]], pad_id)
-
-
-def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-position next-token cross-entropy ``[batch, seq_len - 1]`` (float32, nats): ``logits[:, t]`` against
-    ``labels[:, t + 1]``; 0 where the label is ``-100``."""
-    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="none").view(labels.shape[0], -1)
-
-
-def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over the scored tokens (nats/token, float32): ``logits`` ``[batch, seq_len,
-    vocab_size]``, ``labels`` ``[batch, seq_len]`` with ``-100`` = ignored, shifted as in ``transformers``'
-    ``ForCausalLMLoss`` (``LlamaForCausalLM(..., labels=labels).loss``). A batch with nothing to score gives 0."""
-    n = (labels[:, 1:] != IGNORE_INDEX).sum()
-    return token_losses(logits, labels).sum() / n.clamp(min=1)

@@ -12,6 +12,10 @@ One JSON object per line, in TRL's preference layouts (``trl`` 1.x "preference" 
   is their longest common prefix (TRL's ``extract_prompt``: whole messages, or characters backed off by one when the
   prefix ends with a space).
 
+Conversational rows may use tools as in SFT data (:mod:`minigpt.data.chat`): a ``tools`` column given to the template
+(as TRL's ``DPOTrainer`` gives it), assistant ``tool_calls``, ``tool`` messages; a pair may then prefer a call to an
+answer.
+
 Tokenization follows TRL's ``DPOTrainer._prepare_dataset``: ``prompt_ids`` are the ids of the prompt alone, each
 completion is the part of ``ids(prompt + answer)`` after the longest prefix it shares with ``prompt_ids`` (so a token
 merging across the boundary goes to the completion), standard answers get the EOS token's text appended unless
@@ -21,8 +25,8 @@ model's tokenizer prepends one (TRL 1.x encodes it with ``tokenizer(text)``). Un
 cutting the end), a pair longer than the context is skipped, never truncated: a cut answer would be judged on text
 the annotator never saw.
 
-A line that cannot be used (not valid UTF-8, invalid JSON, unknown layout or role, empty text, identical answers, too
-long) is skipped and counted in a :class:`~minigpt.data.chat.SkipReport`; with ``strict=True`` the first one raises
+A line that cannot be used (not valid UTF-8, invalid JSON, unknown layout or role, empty text, identical answers, a
+malformed tool call, tools the template leaves out, messages it rejects, too long) is skipped and counted in a :class:`~minigpt.data.chat.SkipReport`; with ``strict=True`` the first one raises
 :class:`~minigpt.errors.MiniGPTError` naming ``file:line``.
 
 Batches (:func:`pad_pairs`) stack the chosen sequences then the rejected ones, ``[2 * batch, seq_len]``, right-padded,
@@ -36,10 +40,20 @@ from typing import Any, Optional
 
 import torch
 
-from minigpt.data.chat import (IGNORE_INDEX, ROLES, BadLine, SkipReport, common_prefix, content_text, encode_plain,
-                               read_jsonl)
+from minigpt.data.chat import (
+    IGNORE_INDEX,
+    BadLine,
+    SkipReport,
+    check_messages,
+    check_tools_rendered,
+    common_prefix,
+    encode_plain,
+    openai_messages,
+    read_jsonl,
+    row_tools,
+)
 from minigpt.errors import MiniGPTError
-from minigpt.tokenizer.chat_template import ChatTemplate
+from minigpt.tokenizer.chat_template import ChatTemplate, TemplateRejected
 
 Messages = list[dict[str, str]]
 
@@ -47,12 +61,13 @@ Messages = list[dict[str, str]]
 @dataclass
 class PreferenceRecord:
     """One validated pair before tokenization: ``prompt`` / ``chosen`` / ``rejected`` are all strings (standard) or
-    all message lists (conversational); ``source`` is ``file:line``."""
+    all message lists (conversational, with the row's ``tools`` for the template); ``source`` is ``file:line``."""
 
     prompt: Any
     chosen: Any
     rejected: Any
     source: str = ""
+    tools: Optional[list[dict]] = None
 
     @property
     def conversational(self) -> bool:
@@ -74,20 +89,13 @@ class PreferencePair:
 
 
 def _messages(value: Any, what: str) -> Messages:
-    """A non-empty list of OpenAI messages with known roles and non-empty string contents. Raises :class:`BadLine`."""
+    """A non-empty list of OpenAI messages (:func:`~minigpt.data.chat.openai_messages`: known roles, text contents,
+    tool calls). Raises :class:`BadLine`."""
     if not isinstance(value, list) or not value:
         raise BadLine("unknown format", f"{what!r} is not a non-empty list of messages")
-    out = []
-    for m in value:
-        if not isinstance(m, dict) or "role" not in m:
-            raise BadLine("unknown format", f"a message of {what!r} is not an object with a 'role'")
-        if m["role"] not in ROLES:
-            raise BadLine("unknown role", repr(m["role"]))
-        content = content_text(m.get("content"))
-        if not isinstance(content, str) or not content.strip():
-            raise BadLine("empty content", f"a {m['role']} message of {what!r}")
-        out.append({"role": m["role"], "content": content})
-    return out
+    messages = openai_messages(value, repr(what))
+    check_messages(messages)
+    return messages
 
 
 def _is_messages(value: Any) -> bool:
@@ -143,8 +151,11 @@ def read_preferences(path: str | Path, strict: bool = False, report: Optional[Sk
 
     Raises :class:`MiniGPTError` for a missing file or a directory, and (``strict``) at the first unusable line,
     naming file and line."""
-    return read_jsonl(path, "preference data",
-                      lambda record, where: PreferenceRecord(*to_preference(record), source=where), strict, report)
+    def convert(record: Any, where: str) -> PreferenceRecord:
+        prompt, chosen, rejected = to_preference(record)
+        return PreferenceRecord(prompt, chosen, rejected, where, row_tools(record) if isinstance(prompt, list) else None)
+
+    return read_jsonl(path, "preference data", convert, strict, report)
 
 
 def tokenize_preference(template: ChatTemplate, record: PreferenceRecord, eos_text: Optional[str] = None,
@@ -154,10 +165,15 @@ def tokenize_preference(template: ChatTemplate, record: PreferenceRecord, eos_te
     ``eos_text`` is appended to standard answers that do not end with it. A SentencePiece EOS is a control piece
     with no text (``eos_text`` empty): then ``eos_id`` is appended to the ids instead. Standard text starts with
     ``bos_id`` when given (:func:`~minigpt.data.chat.encode_plain`). Raises
-    :class:`MiniGPTError` for a standard record with neither."""
+    :class:`MiniGPTError` for a standard record with neither; for a conversational one, :class:`BadLine` when the
+    template leaves out its tools (:func:`~minigpt.data.chat.check_tools_rendered`) and :class:`TemplateRejected`
+    when it rejects the messages."""
     if record.conversational:
-        prompt_ids = template.encode(record.prompt, add_generation_prompt=True)
-        full = [template.encode(record.prompt + answer) for answer in (record.chosen, record.rejected)]
+        tools = record.tools
+        for answer in (record.chosen, record.rejected):
+            check_tools_rendered(template, record.prompt + answer, tools)
+        prompt_ids = template.encode(record.prompt, add_generation_prompt=True, tools=tools)
+        full = [template.encode(record.prompt + answer, tools=tools) for answer in (record.chosen, record.rejected)]
     else:
         if not eos_text and eos_id is None:
             raise MiniGPTError("the tokenizer has no EOS token to end the standard (string) answers with")
@@ -185,7 +201,13 @@ def load_preference_dataset(path: str | Path, template: Optional[ChatTemplate], 
         records = read_preferences(path, strict, report)
     pairs = []
     for record in records:
-        pair = tokenize_preference(template, record, eos_text, eos_id, bos_id)
+        try:
+            pair = tokenize_preference(template, record, eos_text, eos_id, bos_id)
+        except (BadLine, TemplateRejected) as e:
+            if strict:
+                raise MiniGPTError(f"{record.source}: {e}") from None
+            report.skipped[e.reason if isinstance(e, BadLine) else "template rejected"] += 1
+            continue
         if len(pair) > max_seq_len:
             reason, detail = "too long", f" ({len(pair)} tokens, the context is {max_seq_len})"
         elif not (pair.chosen_ids and pair.rejected_ids and pair.prompt_ids):

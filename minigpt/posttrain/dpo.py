@@ -55,7 +55,8 @@ from torch import nn
 
 from minigpt.checkpoint.native import load_chat_template, load_tokenizer
 from minigpt.checkpoint.tokenizer_bos import adds_bos
-from minigpt.data.chat import SkipReport, token_losses
+from minigpt.data.chat import SkipReport
+from minigpt.data.chat_batches import token_losses
 from minigpt.data.preference import PairBatch, PreferencePair, load_preference_dataset, pad_pairs, read_preferences
 from minigpt.errors import MiniGPTError
 from minigpt.model.lora import adapters_disabled

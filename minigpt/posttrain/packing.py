@@ -40,7 +40,7 @@ def document_mask(doc_ids: torch.Tensor, window: Optional[int] = None) -> torch.
 def packed_forward(model, tokens: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor,
                    positions_below: Optional[int] = None) -> torch.Tensor:
     """Logits ``[batch, seq_len, vocab_size]`` of packed ``tokens`` ``[batch, seq_len]``, with per-token
-    ``position_ids`` and ``doc_ids`` (both ``[batch, seq_len]``; see :class:`minigpt.data.chat.Batch`).
+    ``position_ids`` and ``doc_ids`` (both ``[batch, seq_len]``; see :class:`minigpt.data.chat_batches.Batch`).
     ``positions_below``: a bound on ``position_ids`` known without looking (packed rows: their width, as every
     conversation's positions restart at 0 inside the row), which spares a host sync and lets ``torch.compile``
     trace the whole forward.

@@ -162,8 +162,8 @@ class EpochBatches:
 
 
 def pad_to(batch: Any, width: int, pad_id: int, rows: int = 0) -> Any:
-    """``batch`` (a :class:`~minigpt.data.chat.Batch` or :class:`~minigpt.data.preference.PairBatch`) right-padded
-    to ``width`` columns and, for a :class:`~minigpt.data.chat.Batch`, to ``rows`` rows: ``pad_id`` tokens, ``-100``
+    """``batch`` (a :class:`~minigpt.data.chat_batches.Batch` or :class:`~minigpt.data.preference.PairBatch`) right-padded
+    to ``width`` columns and, for a :class:`~minigpt.data.chat_batches.Batch`, to ``rows`` rows: ``pad_id`` tokens, ``-100``
     labels, position 0 and document ``-1`` (packed rows). With ``--compile`` every step then has one shape, and one
     compiled graph serves the whole run; the masked mean loss ignores the padding, so it is unchanged."""
     extra, more = max(0, width - batch.tokens.shape[1]), max(0, rows - batch.tokens.shape[0])

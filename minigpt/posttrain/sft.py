@@ -24,18 +24,8 @@ import torch
 
 from minigpt.checkpoint.native import load_chat_template, load_tokenizer
 from minigpt.checkpoint.tokenizer_bos import adds_bos
-from minigpt.data.chat import (
-    Batch,
-    ChatExample,
-    SkipReport,
-    is_plain,
-    iterate_batches,
-    load_chat_dataset,
-    masked_lm_loss,
-    pack_examples,
-    pad_batch,
-    read_conversations,
-)
+from minigpt.data.chat import ChatExample, SkipReport, is_plain, load_chat_dataset, read_conversations
+from minigpt.data.chat_batches import Batch, iterate_batches, masked_lm_loss, pack_examples, pad_batch
 from minigpt.errors import MiniGPTError
 from minigpt.posttrain.packing import packed_forward, with_packed_forward
 from minigpt.posttrain.recipe import EpochBatches, PostTrainConfig, PostTraining, pad_to
@@ -68,7 +58,7 @@ def prepare_chat(model, tokenizer, template_source: Optional[str], model_templat
 
 
 def forward_loss(model, batch: Batch, pack: bool) -> torch.Tensor:
-    """Masked next-token loss of ``batch`` (see :func:`minigpt.data.chat.masked_lm_loss`) plus MoE router losses."""
+    """Masked next-token loss of ``batch`` (see :func:`minigpt.data.chat_batches.masked_lm_loss`) plus MoE router losses."""
     if pack:
         logits = packed_forward(model, batch.tokens, batch.position_ids, batch.doc_ids)
     else:

@@ -42,6 +42,7 @@ from minigpt.infer.sampling import InvalidRequest
 from minigpt.serve.responses import Shaper
 from minigpt.serve.schemas import bad_request, to_json
 from minigpt.serve.schemas import parse_messages as parse_plain_messages
+from minigpt.tokenizer.tool_messages import BadToolPart, template_tool_calls
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -172,25 +173,10 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
 
 
 def _message_calls(calls: Any, where: str) -> list[dict]:
-    if not isinstance(calls, list):
-        raise bad_request(f"{where} must be a list of tool calls", where)
-    out = []
-    for j, call in enumerate(calls):
-        w = f"{where}[{j}]"
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or call.get("type", "function") != "function":
-            raise bad_request(f"{w} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}", w)
-        args = fn.get("arguments", "{}")
-        if isinstance(args, str):
-            try:
-                args = json_loads(args)
-            except ValueError:
-                raise bad_request(f"{w}.function.arguments must be a JSON string of the call's arguments",
-                                  f"{w}.function.arguments") from None
-        if call.get("id") is not None and not isinstance(call["id"], str):
-            raise bad_request(f"{w}.id must be a string", f"{w}.id")
-        out.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
-    return out
+    try:
+        return template_tool_calls(calls, where)
+    except BadToolPart as e:
+        raise bad_request(str(e), e.where) from None
 
 
 def parse_response_format(value: Any) -> Optional[str]:

@@ -14,8 +14,10 @@ template without them is rendered once per assistant turn, and the turn's span i
 the generation prompt of the turns before it (the template must then be prefix-stable, which ChatML is).
 
 :data:`CHATML_TEMPLATE` is ChatML (OpenAI's Chat Markup Language, used by Qwen): ``<|im_start|>ROLE\\nCONTENT<|im_end|>\\n``
-per message. :data:`CHATML_TRAINING_TEMPLATE` renders the same text with generation blocks around each assistant
-turn's ``CONTENT<|im_end|>``; models are saved with the plain one, which every Jinja consumer understands.
+per message; given ``tools``, or messages with ``tool_calls`` or the ``tool`` role, it writes them in the Hermes
+format that Qwen2.5 uses too (definitions in ``<tools>``, calls in ``<tool_call>`` blocks, results in
+``<tool_response>``). :data:`CHATML_TRAINING_TEMPLATE` renders the same text with generation blocks around each
+assistant turn's ``CONTENT<|im_end|>``; models are saved with the plain one, which every Jinja consumer understands.
 :data:`PLAIN_TEMPLATE` is the fallback for a model that ships no template (``Role: content`` lines, then
 ``Assistant:``), with the stop string :data:`PLAIN_STOP`.
 
@@ -41,22 +43,50 @@ from minigpt.tokenizer.tokenizer import InvalidText, Tokenizer, check_text
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 CHAT_TOKENS = (IM_START, IM_END)
 
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+# Tools in the Hermes function-calling format (NousResearch's Hermes 2 Pro; Qwen2.5 writes the same tags): the
+# definitions as JSON lines within <tools></tools> in a system turn, each call as a block
+# <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call> in the assistant's turn, each result as a user turn
+# holding <tool_response>\n...\n</tool_response>. The server parses and forces calls in this format
+# (minigpt.serve.tools). A conversation without tools renders as plain ChatML, one line per message.
+_TOOLS_SYSTEM = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ 'You may call the functions below, given as JSON schemas, one per line:\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools>\nTo call one, answer with a block like this for each call:\n<tool_call>\n'"
+    " + '{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{% endif %}"
 )
-CHATML_TRAINING_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}"
-    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
-    "{{ '\n' }}"
+# An assistant turn's text: its content, then each of its calls.
+_ANSWER = (
+    "{{ message['content'] or '' }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{{ ('\n' if message['content'] or not loop.first else '') + '<tool_call>\n{\"name\": \"'"
+    " + call['function']['name'] + '\", \"arguments\": ' + (call['function']['arguments'] | tojson)"
+    " + '}\n</tool_call>' }}"
+    "{% endfor %}"
+)
+_OTHER_TURNS = (
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
     "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_FIRST_SYSTEM_IN_TOOLS = "{% if tools and loop.first and message['role'] == 'system' %}"  # written with the tools
+CHATML_TEMPLATE = (
+    _TOOLS_SYSTEM + "{% for message in messages %}" + _FIRST_SYSTEM_IN_TOOLS
+    + "{% elif message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}" + _ANSWER + "{{ '<|im_end|>\n' }}"
+    + _OTHER_TURNS
+)
+CHATML_TRAINING_TEMPLATE = (
+    _TOOLS_SYSTEM + "{% for message in messages %}" + _FIRST_SYSTEM_IN_TOOLS
+    + "{% elif message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
+    + "{% generation %}" + _ANSWER + "{{ '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    + _OTHER_TURNS
 )
 
 # Used when the model ships no chat template: one "Role: content" line per message, then "Assistant:". A base model
@@ -322,10 +352,12 @@ class ChatTemplate:
         ``apply_chat_template(messages, tools=...)`` sets; a template without a tools section ignores them."""
         return self._render_raw(messages, add_generation_prompt, tools).replace(_OPEN, "").replace(_CLOSE, "")
 
-    def render_with_spans(self, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
-        """``(text, spans)``: the rendered conversation and the ``[start, end)`` character ranges of its assistant
-        turns (generation blocks, or the prefix difference described in the module docstring)."""
-        raw = self._render_raw(messages, False)
+    def render_with_spans(self, messages: list[dict[str, Any]], tools: Optional[list[dict]] = None
+                          ) -> tuple[str, list[tuple[int, int]]]:
+        """``(text, spans)``: the rendered conversation (``tools`` as in :meth:`render`) and the ``[start, end)``
+        character ranges of its assistant turns (generation blocks, or the prefix difference described in the
+        module docstring)."""
+        raw = self._render_raw(messages, False, tools)
         if _OPEN in raw:
             chars, spans, start, pos = [], [], 0, 0
             for ch in raw:
@@ -341,8 +373,8 @@ class ChatTemplate:
         for i, m in enumerate(messages):
             if m.get("role") != "assistant":
                 continue
-            before = self.render(messages[:i], add_generation_prompt=True)
-            upto = self.render(messages[: i + 1])
+            before = self.render(messages[:i], add_generation_prompt=True, tools=tools)
+            upto = self.render(messages[: i + 1], tools=tools)
             if not (text.startswith(upto) and upto.startswith(before)):
                 raise MiniGPTError("the chat template is not prefix-stable (rendering fewer messages does not give a "
                                    "prefix of the whole); add {% generation %} blocks around assistant turns")
@@ -369,11 +401,12 @@ class ChatTemplate:
         with backend_errors():
             return self._hf.encode(text, add_special_tokens=False)
 
-    def encode_with_mask(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[bool]]:
-        """``(ids, assistant_mask)``: the ids of the whole conversation and, per token, whether it belongs to an
-        assistant turn. A token counts when its characters overlap a span (``transformers`` maps a span's first
-        and last characters to tokens the same way, ``char_to_token``)."""
-        text, spans = self.render_with_spans(messages)
+    def encode_with_mask(self, messages: list[dict[str, Any]], tools: Optional[list[dict]] = None
+                         ) -> tuple[list[int], list[bool]]:
+        """``(ids, assistant_mask)``: the ids of the whole conversation (``tools`` as in :meth:`render`) and, per
+        token, whether it belongs to an assistant turn. A token counts when its characters overlap a span
+        (``transformers`` maps a span's first and last characters to tokens the same way, ``char_to_token``)."""
+        text, spans = self.render_with_spans(messages, tools)
         encoding = self._encode(text)
         mask = [any(s < end and e > start for start, end in spans) for s, e in encoding.offsets]
         return encoding.ids, mask

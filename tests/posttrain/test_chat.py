@@ -6,18 +6,8 @@ import pytest
 import torch
 from chat_helpers import chat_tokenizer, conversation, conversations, hf_copy, save_hf_tokenizer, sentence, tiny_model
 
-from minigpt.data.chat import (
-    IGNORE_INDEX,
-    SkipReport,
-    load_chat_dataset,
-    masked_lm_loss,
-    pack_examples,
-    packed_batch,
-    pad_batch,
-    read_conversations,
-    token_losses,
-    tokenize_conversation,
-)
+from minigpt.data.chat import IGNORE_INDEX, SkipReport, load_chat_dataset, read_conversations, tokenize_conversation
+from minigpt.data.chat_batches import masked_lm_loss, pack_examples, packed_batch, pad_batch, token_losses
 from minigpt.data.preference import read_preferences
 from minigpt.errors import MiniGPTError
 from minigpt.posttrain.packing import packed_forward

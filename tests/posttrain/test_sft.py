@@ -9,7 +9,8 @@ from conftest import assert_one_line_error, run_cli
 
 from minigpt.checkpoint.adapter import CONFIG_NAME, load_adapter
 from minigpt.checkpoint.native import load_chat_template, load_model, load_tokenizer, save_pretrained
-from minigpt.data.chat import SkipReport, iterate_batches, load_chat_dataset, masked_lm_loss, read_conversations
+from minigpt.data.chat import SkipReport, load_chat_dataset, read_conversations
+from minigpt.data.chat_batches import iterate_batches, masked_lm_loss
 from minigpt.errors import MiniGPTError
 from minigpt.model.quant import quantize_weight
 from minigpt.posttrain.packing import with_packed_forward
@@ -59,7 +60,8 @@ def test_full_sft_learns_and_writes_a_chat_model(tmp_path, base):
     # the validation loss on assistant tokens went down from the (resized) base model's
     untuned = load_model(model_dir)
     add_chat_tokens(untuned, load_tokenizer(model_dir))
-    from minigpt.data.chat import load_chat_dataset, masked_lm_loss, pad_batch
+    from minigpt.data.chat import load_chat_dataset
+    from minigpt.data.chat_batches import masked_lm_loss, pad_batch
     examples = load_chat_dataset(val, ChatTemplate(tok, CHATML_TRAINING_TEMPLATE), 256)
     batch = pad_batch(examples, tok.pad_id)
     with torch.no_grad():
