@@ -122,7 +122,8 @@ def cmd_lora_merge(args: argparse.Namespace) -> int:
 def _add_data_and_run_options(p) -> None:
     """Flags sft and dpo share: data strictness, template, logging, device, dtype, seed."""
     p.add_argument("--strict", action="store_true", help="stop at the first unusable data line instead of skipping")
-    p.add_argument("--template", help="Jinja chat template file (default: the model's own, else ChatML)")
+    p.add_argument("--template", help="Jinja chat template file, or 'chatml' for the built-in ChatML, which writes "
+                                      "tools (default: the model's own, else ChatML)")
     p.add_argument("--log-interval", dest="log_interval", type=int)
     p.add_argument("--eval-interval", dest="eval_interval", type=int)
     p.add_argument("--device", help="auto, cpu, cuda, mps")

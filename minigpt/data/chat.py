@@ -397,6 +397,9 @@ def tokenize_conversation(template: ChatTemplate, messages: "list[dict[str, str]
     return ChatExample(ids, [IGNORE_INDEX] * start + ids[start:], source)
 
 
+TOOLS_HINT = "train with a template that writes tools (--template chatml, the built-in ChatML, does)"
+
+
 def check_tools_rendered(template: ChatTemplate, messages: list[dict[str, Any]], tools: Optional[list[dict]]) -> None:
     """Raise :class:`BadLine` (``tools not rendered``) unless the rendered text names every defined tool and every
     call, and holds every tool result. Nothing is rendered for a conversation without any of them."""
@@ -408,8 +411,8 @@ def check_tools_rendered(template: ChatTemplate, messages: list[dict[str, Any]],
     for kind, values in (("tool", tool_names(tools)), ("call of", calls), ("tool result", results)):
         missing = next((v for v in values if v not in text), None)
         if missing is not None:
-            raise BadLine("tools not rendered", f"the chat template leaves out the {kind} {missing[:40]!r}; give "
-                          "one that writes tools (the default ChatML does: omit --template)")
+            raise BadLine("tools not rendered", f"the chat template leaves out the {kind} {missing[:40]!r}; "
+                          + TOOLS_HINT)
 
 
 def is_plain(record: "list[dict[str, str]] | PromptCompletion") -> bool:
@@ -448,5 +451,6 @@ def load_chat_dataset(path: str | Path, template: ChatTemplate, max_seq_len: int
         examples.append(example)
     report.kept = len(examples)
     if not examples:
-        raise MiniGPTError(f"{report.summary(str(path))}: no usable conversation")
+        hint = f"; {TOOLS_HINT}" if report.skipped.get("tools not rendered") else ""
+        raise MiniGPTError(f"{report.summary(str(path))}: no usable conversation{hint}")
     return examples

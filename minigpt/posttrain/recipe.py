@@ -74,7 +74,7 @@ class PostTrainConfig(TrainerConfig):
     beta2: float = 0.999
     seq_len: Optional[int] = None  # default: the model's max_seq_len; longer examples are skipped
     strict: bool = False
-    template: Optional[str] = None  # a Jinja file; default: the model's own template, else ChatML
+    template: Optional[str] = None  # a Jinja file or "chatml"; default: the model's own template, else ChatML
     log_interval: int = 10
     eval_interval: int = 100
     seed: int = 0

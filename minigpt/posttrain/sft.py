@@ -34,6 +34,8 @@ from minigpt.tokenizer.chat_template import CHATML_TEMPLATE, CHATML_TRAINING_TEM
 from minigpt.train import distributed as dist_mod
 from minigpt.train.trainer import autocast_context
 
+BUILTIN_CHATML = "chatml"  # --template's name for the built-in ChatML
+
 
 @dataclass
 class SFTConfig(PostTrainConfig):
@@ -46,9 +48,13 @@ class SFTConfig(PostTrainConfig):
 
 
 def prepare_chat(model, tokenizer, template_source: Optional[str], model_template: Optional[str]):
-    """``(tokenizer, training template, template to save, new token ids)``: an explicit template, else the
-    model's own, else ChatML (adding its tokens to the tokenizer and the model when missing)."""
-    if template_source and not Path(template_source).is_file():
+    """``(tokenizer, training template, template to save, new token ids)``: an explicit template file, else the
+    model's own, else ChatML (adding its tokens to the tokenizer and the model when missing). ``"chatml"`` names
+    the built-in ChatML whatever the model ships, e.g. to train tool rows on a model whose template has no tools
+    section (one saved here before ChatML wrote tools)."""
+    if template_source == BUILTIN_CHATML:
+        template_source = model_template = None
+    elif template_source and not Path(template_source).is_file():
         raise MiniGPTError(f"chat template file {template_source} does not exist")
     if template_source or model_template:
         text = Path(template_source).read_text(encoding="utf-8") if template_source else model_template

@@ -281,3 +281,26 @@ def test_llama_factory_sharegpt_tool_rows_read_as_the_openai_row(tmp_path):
     report = SkipReport()
     read_conversations(write_jsonl(tmp_path / "bad.jsonl", [bad]), report=report)
     assert dict(report.skipped) == {"bad tool call": 1}
+
+
+def test_template_chatml_trains_tool_rows_on_a_model_whose_template_has_no_tools(tmp_path, capsys):
+    """A model saved with a ChatML that writes no tools (as SFT outputs were before): its tool rows are all skipped,
+    in one error line that names ``--template chatml``; with that flag they train, and the saved template writes
+    tools."""
+    from minigpt.checkpoint.native import load_chat_template, save_pretrained
+    from minigpt.cli import main
+
+    old_chatml = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                  "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                  "{% endif %}")
+    tok = chat_tokenizer()
+    save_pretrained(tiny_model(tok.vocab_size, max_seq_len=1024), tmp_path / "base", tok, old_chatml)
+    data = write_jsonl(tmp_path / "tools.jsonl", tool_rows(4, seed=7))
+    args = ["sft", "--model", str(tmp_path / "base"), "--data", str(data), "--max-steps", "1", "--batch-size", "2",
+            "--device", "cpu"]
+    assert main(args + ["--out-dir", str(tmp_path / "a")]) == 1
+    err = capsys.readouterr().err
+    assert "tools not rendered 4" in err and "no usable conversation; train with a template that writes tools (--template chatml" in err
+    assert main(args + ["--out-dir", str(tmp_path / "b"), "--template", "chatml"]) == 0
+    assert f"{data}: 4 conversations" in capsys.readouterr().out
+    assert load_chat_template(tmp_path / "b") == CHATML_TEMPLATE
