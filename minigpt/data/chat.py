@@ -41,8 +41,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
 
 from minigpt.data.text import utf8_message
-from minigpt.errors import MiniGPTError, json_loads
+from minigpt.errors import MiniGPTError, json_loads, shown_json
 from minigpt.tokenizer.chat_template import ChatTemplate, TemplateRejected
+from minigpt.tokenizer.text import InvalidText
 from minigpt.tokenizer.tool_messages import BadToolPart, template_tool_calls, tool_names, tools_column
 
 IGNORE_INDEX = -100  # PyTorch's cross_entropy default ignore_index, and Hugging Face's label convention
@@ -202,8 +203,8 @@ def to_messages(record: Any) -> list[dict[str, str]]:
         for i, m in enumerate(raw):
             if not isinstance(m, dict) or "from" not in m:
                 raise BadLine("unknown format", "a ShareGPT turn is not an object with 'from'")
-            if m["from"] not in SHAREGPT_ROLES:
-                raise BadLine("unknown role", repr(m["from"]))
+            if not isinstance(m["from"], str) or m["from"] not in SHAREGPT_ROLES:
+                raise BadLine("unknown role", shown_json(m["from"]))
             if m["from"] == "function_call":
                 messages.append({"role": "assistant", "content": "", "tool_calls": _sharegpt_calls(m.get("value"), i)})
             else:
@@ -397,6 +398,14 @@ def tokenize_conversation(template: ChatTemplate, messages: "list[dict[str, str]
     return ChatExample(ids, [IGNORE_INDEX] * start + ids[start:], source)
 
 
+def skip_reason(e: Exception) -> str:
+    """The counted reason of a row that tokenizing rejected (a :class:`BadLine`, a template's rejection, text that
+    is not valid Unicode: a lone surrogate from a JSON escape, in a row that no template renders)."""
+    if isinstance(e, BadLine):
+        return e.reason
+    return "template rejected" if isinstance(e, TemplateRejected) else "not valid Unicode"
+
+
 TOOLS_HINT = "train with a template that writes tools (--template chatml, the built-in ChatML, does)"
 
 
@@ -436,8 +445,8 @@ def load_chat_dataset(path: str | Path, template: ChatTemplate, max_seq_len: int
     for where, messages in (records if records is not None else read_conversations(path, strict, report)):
         try:
             example = tokenize_conversation(template, messages, train_on_prompt, where, bos_id)
-        except (BadLine, TemplateRejected) as e:
-            reason = e.reason if isinstance(e, BadLine) else "template rejected"
+        except (BadLine, TemplateRejected, InvalidText) as e:
+            reason = skip_reason(e)
             if strict:
                 raise MiniGPTError(f"{where}: {e}") from None
             report.skipped[reason] += 1

@@ -51,9 +51,11 @@ from minigpt.data.chat import (
     openai_messages,
     read_jsonl,
     row_tools,
+    skip_reason,
 )
 from minigpt.errors import MiniGPTError
 from minigpt.tokenizer.chat_template import ChatTemplate, TemplateRejected
+from minigpt.tokenizer.text import InvalidText
 
 Messages = list[dict[str, str]]
 
@@ -203,10 +205,10 @@ def load_preference_dataset(path: str | Path, template: Optional[ChatTemplate], 
     for record in records:
         try:
             pair = tokenize_preference(template, record, eos_text, eos_id, bos_id)
-        except (BadLine, TemplateRejected) as e:
+        except (BadLine, TemplateRejected, InvalidText) as e:
             if strict:
                 raise MiniGPTError(f"{record.source}: {e}") from None
-            report.skipped[e.reason if isinstance(e, BadLine) else "template rejected"] += 1
+            report.skipped[skip_reason(e)] += 1
             continue
         if len(pair) > max_seq_len:
             reason, detail = "too long", f" ({len(pair)} tokens, the context is {max_seq_len})"
