@@ -304,3 +304,22 @@ def test_template_chatml_trains_tool_rows_on_a_model_whose_template_has_no_tools
     assert main(args + ["--out-dir", str(tmp_path / "b"), "--template", "chatml"]) == 0
     assert f"{data}: 4 conversations" in capsys.readouterr().out
     assert load_chat_template(tmp_path / "b") == CHATML_TEMPLATE
+
+
+def test_dpo_cli_trains_on_pairs_that_prefer_a_call(tmp_path, capsys):
+    """``minigpt dpo`` on pairs whose chosen answer is a call and rejected one a refusal, the ``tools`` column
+    given: every pair is used, and the reward margin is logged."""
+    from minigpt.checkpoint.native import save_pretrained
+    from minigpt.cli import main
+
+    tok = chat_tokenizer(with_chat_tokens=False)
+    save_pretrained(tiny_model(tok.vocab_size, max_seq_len=1024), tmp_path / "base", tok)
+    rows = [{"prompt": r["messages"][:2], "chosen": [r["messages"][2]],
+             "rejected": [{"role": "assistant", "content": "I cannot know that."}], "tools": r["tools"]}
+            for r in tool_rows(4, seed=8)]
+    data = write_jsonl(tmp_path / "prefs.jsonl", rows)
+    assert main(["dpo", "--model", str(tmp_path / "base"), "--data", str(data), "--out-dir", str(tmp_path / "out"),
+                 "--max-steps", "2", "--batch-size", "2", "--device", "cpu"]) == 0
+    assert f"{data}: 4 pairs" in capsys.readouterr().out
+    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert "rewards/margins" in logged[-1]
