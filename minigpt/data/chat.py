@@ -189,8 +189,9 @@ def row_tools(record: dict) -> Optional[list[dict]]:
         raise BadLine("bad tools", str(e)) from None
 
 
-def to_messages(record: Any) -> list[dict[str, str]]:
-    """A parsed JSON line in any supported layout -> validated OpenAI ``messages``. Raises :class:`BadLine`."""
+def to_messages(record: Any) -> Conversation:
+    """A parsed JSON line in any supported layout -> validated OpenAI ``messages`` and the row's ``tools``. Raises
+    :class:`BadLine`."""
     if not isinstance(record, dict):
         raise BadLine("unknown format", f"expected a JSON object, got {type(record).__name__}")
     if "messages" in record:
@@ -230,7 +231,7 @@ def check_messages(messages: list[dict[str, Any]]) -> None:
     assistant message with calls and for a tool's result)."""
     for m in messages:
         if m["role"] not in ROLES:
-            raise BadLine("unknown role", repr(m["role"]))
+            raise BadLine("unknown role", shown_json(m["role"]))
         if not isinstance(m["content"], str):
             raise BadLine("content not text", f"a {m['role']} message's content is a JSON "
                           f"{type(m['content']).__name__}, not a string")
