@@ -69,35 +69,37 @@ def write(tmp_path_factory, rows):
     return path
 
 
+def kept_or_skipped(tmp_path_factory, rows, read, load, templates):
+    """Every line is read or counted as skipped, and every record read is tokenized or counted as skipped, with
+    each template; a load that keeps none says so in its one error line, after counting them all."""
+    path = write(tmp_path_factory, rows)
+    report = SkipReport()
+    records = read(path, report=report)
+    assert sum(report.skipped.values()) + len(records) == len(rows)
+    for template in templates:
+        counted = SkipReport()
+        try:
+            kept = len(load(path, template, counted, records))
+        except MiniGPTError as e:
+            assert "no usable" in str(e)
+            kept = 0
+        assert kept + sum(counted.skipped.values()) == len(records)
+
+
 @SETTINGS
 @hypothesis.given(row=CHAT_ROW)
 @hypothesis.example(row={"conversations": [{"from": []}]})  # a TypeError that ended the read, before
 @hypothesis.example(row={"prompt": "\ud800", "completion": "x"})  # one row's lone surrogate ended the run
 def test_any_chat_row_is_kept_or_skipped_with_a_reason(tmp_path_factory, templates, row):
-    path = write(tmp_path_factory, [row, GOOD_CHAT])
-    report = SkipReport()
-    records = read_conversations(path, report=report)
-    assert sum(report.skipped.values()) + len(records) == 2
-    for template in templates:
-        counted = SkipReport()
-        examples = load_chat_dataset(path, template, 4096, report=counted, bos_id=0, records=records)
-        assert len(examples) + sum(counted.skipped.values()) == len(records)
+    kept_or_skipped(tmp_path_factory, [row, GOOD_CHAT], read_conversations,
+                    lambda path, template, report, records: load_chat_dataset(
+                        path, template, 4096, report=report, bos_id=0, records=records), templates)
 
 
 @SETTINGS
 @hypothesis.given(row=PREFERENCE_ROW)
 @hypothesis.example(row={"prompt": "\ud800", "chosen": "0", "rejected": "1"})  # ended the whole DPO load, before
 def test_any_preference_row_is_kept_or_skipped_with_a_reason(tmp_path_factory, templates, row):
-    path = write(tmp_path_factory, [row, GOOD_PAIR])
-    report = SkipReport()
-    records = read_preferences(path, report=report)
-    assert sum(report.skipped.values()) + len(records) == 2
-    for template in templates:
-        counted = SkipReport()
-        try:
-            pairs = load_preference_dataset(path, template, 4096, "<|endoftext|>", report=counted, records=records,
-                                            bos_id=0)
-        except MiniGPTError as e:  # every pair skipped, the good one by a template that cannot render it
-            assert "no usable preference pair" in str(e)
-            continue
-        assert len(pairs) + sum(counted.skipped.values()) == len(records)
+    kept_or_skipped(tmp_path_factory, [row, GOOD_PAIR], read_preferences,
+                    lambda path, template, report, records: load_preference_dataset(
+                        path, template, 4096, "<|endoftext|>", report=report, records=records, bos_id=0), templates)
