@@ -314,7 +314,7 @@ def test_dpo_cli_trains_on_pairs_that_prefer_a_call(tmp_path, capsys):
 
     tok = chat_tokenizer(with_chat_tokens=False)
     save_pretrained(tiny_model(tok.vocab_size, max_seq_len=1024), tmp_path / "base", tok)
-    rows = [{"prompt": r["messages"][:2], "chosen": [r["messages"][2]],
+    rows = [{"prompt": r["messages"][:2], "chosen": [{**r["messages"][2], "content": None}],  # a call, no words
              "rejected": [{"role": "assistant", "content": "I cannot know that."}], "tools": r["tools"]}
             for r in tool_rows(4, seed=8)]
     data = write_jsonl(tmp_path / "prefs.jsonl", rows)
