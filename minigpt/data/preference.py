@@ -26,7 +26,8 @@ cutting the end), a pair longer than the context is skipped, never truncated: a 
 the annotator never saw.
 
 A line that cannot be used (not valid UTF-8, invalid JSON, unknown layout or role, empty text, identical answers, a
-malformed tool call, tools the template leaves out, messages it rejects, too long) is skipped and counted in a :class:`~minigpt.data.chat.SkipReport`; with ``strict=True`` the first one raises
+malformed tool call, tools the template leaves out, messages it rejects, too long) is skipped and counted in a
+:class:`~minigpt.data.chat.SkipReport`; with ``strict=True`` the first one raises
 :class:`~minigpt.errors.MiniGPTError` naming ``file:line``.
 
 Batches (:func:`pad_pairs`) stack the chosen sequences then the rejected ones, ``[2 * batch, seq_len]``, right-padded,

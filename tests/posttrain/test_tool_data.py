@@ -25,6 +25,16 @@ CLOCK = {"type": "function", "function": {"name": "get_time", "description": "Th
                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 CITIES = ("Paris", "Lyon", "Oslo", "Lima", "Kyoto")
 
+# ChatML as minigpt wrote it before it wrote tools (kept as data: models saved then carry it).
+OLD_CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+              "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+              "{% endif %}")
+OLD_CHATML_TRAINING = ("{% for message in messages %}{% if message['role'] == 'assistant' %}"
+                       "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+                       "{% endgeneration %}{{ '\n' }}{% else %}{{ '<|im_start|>' + message['role'] + '\n' + "
+                       "message['content'] + '<|im_end|>' + '\n' }}{% endif %}{% endfor %}"
+                       "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
 
 def call(city, name="get_weather"):
     return {"type": "function", "function": {"name": name, "arguments": {"city": city}}}
@@ -290,11 +300,8 @@ def test_template_chatml_trains_tool_rows_on_a_model_whose_template_has_no_tools
     from minigpt.checkpoint.native import load_chat_template, save_pretrained
     from minigpt.cli import main
 
-    old_chatml = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-                  "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-                  "{% endif %}")
     tok = chat_tokenizer()
-    save_pretrained(tiny_model(tok.vocab_size, max_seq_len=1024), tmp_path / "base", tok, old_chatml)
+    save_pretrained(tiny_model(tok.vocab_size, max_seq_len=1024), tmp_path / "base", tok, OLD_CHATML)
     data = write_jsonl(tmp_path / "tools.jsonl", tool_rows(4, seed=7))
     args = ["sft", "--model", str(tmp_path / "base"), "--data", str(data), "--max-steps", "1", "--batch-size", "2",
             "--device", "cpu"]
@@ -323,3 +330,19 @@ def test_dpo_cli_trains_on_pairs_that_prefer_a_call(tmp_path, capsys):
     assert f"{data}: 4 pairs" in capsys.readouterr().out
     logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert "rewards/margins" in logged[-1]
+
+
+
+def test_conversations_without_tools_render_as_the_chatml_before_tools():
+    """Writing tools changed nothing else: every tool-free conversation renders to the same text and the same
+    assistant spans as the templates minigpt saved before, with and without the generation prompt."""
+    from chat_helpers import conversations
+
+    tok = chat_tokenizer()
+    for new, old in ((CHATML_TEMPLATE, OLD_CHATML), (CHATML_TRAINING_TEMPLATE, OLD_CHATML_TRAINING)):
+        new, old = ChatTemplate(tok, new), ChatTemplate(tok, old)
+        for messages in conversations(12, seed=9) + [[{"role": "user", "content": "x"}]]:
+            for add_generation_prompt in (False, True):
+                assert new.render(messages, add_generation_prompt) == old.render(messages, add_generation_prompt)
+            if any(m["role"] == "assistant" for m in messages):
+                assert new.render_with_spans(messages) == old.render_with_spans(messages)
