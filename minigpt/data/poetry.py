@@ -19,6 +19,9 @@ evaluation side, so no evaluation title, nor any same-titled poem, is seen in tr
 * DPO pairs: the same form request, chosen = the poem, rejected = a poem of another form from the same side;
 * evaluation prompts: one form request per held-out title, with the reference poem.
 
+:func:`judged_pairs` makes DPO pairs from a model's own answers instead (on-policy), judged by :func:`check_form`:
+its right answer is chosen and its wrong one rejected, so the pairs hold the mistakes that model makes.
+
 The instructions are written in traditional characters, like the corpus, so a model pretrained on it knows them.
 """
 from __future__ import annotations
@@ -186,3 +189,52 @@ def build_sets(poems: list[Poem], seed: int = 0, eval_titles: int = 200) -> dict
     for name in ("sft_train", "dpo_train"):
         rng.shuffle(sets[name])
     return sets
+
+
+def judged_pairs(rows: list[dict[str, Any]], samples: list[list[str]],
+                 rng: random.Random) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """DPO pairs from a model's own answers (on-policy), judged by :func:`check_form`.
+
+    ``rows[i]`` is a form request ``{"id", "prompt", "form", "reference"}`` (``reference``: a poem of that form),
+    ``samples[i]`` the answers the model sampled for it. Per row: chosen = one of the answers that pass, else the
+    reference poem; rejected = one of the answers that fail; no pair when every answer passes (nothing to prefer).
+    Returns the pairs (``{"id", "prompt", "chosen", "rejected"}``) and counts: ``rows``, ``answers``,
+    ``answers_ok``, ``pairs``, ``reference_chosen``, ``all_ok``. Raises :class:`MiniGPTError` when the two lists
+    differ in length or a row's form is unknown.
+
+    Chosen and rejected answers both come from the policy being tuned, as in on-policy / "online" DPO (Guo et al.
+    2024, "Direct Language Model Alignment from Online AI Feedback"), with a rule in place of the AI judge.
+    """
+    if len(rows) != len(samples):
+        raise MiniGPTError(f"{len(rows)} requests but {len(samples)} lists of answers")
+    counts = dict.fromkeys(("rows", "answers", "answers_ok", "pairs", "reference_chosen", "all_ok"), 0)
+    pairs = []
+    for row, answers in zip(rows, samples):
+        verdicts = [check_form(a, row["form"]).ok for a in answers]
+        good = [a for a, ok in zip(answers, verdicts) if ok]
+        bad = [a for a, ok in zip(answers, verdicts) if not ok]
+        counts["rows"] += 1
+        counts["answers"] += len(answers)
+        counts["answers_ok"] += len(good)
+        if not bad:
+            counts["all_ok"] += 1
+            continue
+        chosen = rng.choice(good) if good else row["reference"]
+        counts["reference_chosen"] += not good
+        counts["pairs"] += 1
+        pairs.append({"id": f"{row['id']}-judged", "prompt": row["prompt"], "chosen": chosen,
+                      "rejected": rng.choice(bad)})
+    return pairs, counts
+
+
+def form_requests(pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The form requests of :func:`dpo_pairs`' rows, as :func:`judged_pairs` reads them: ``{"id", "prompt",
+    "form", "reference"}``, the form being the chosen poem's. Raises :class:`MiniGPTError` for a row whose chosen
+    poem has no regular form."""
+    out = []
+    for row in pairs:
+        form = Poem("", "", row["chosen"].split("\n")).form
+        if form is None:
+            raise MiniGPTError(f"row {row.get('id')!r}: the chosen poem has no regular form")
+        out.append({"id": row["id"], "prompt": row["prompt"], "form": form, "reference": row["chosen"]})
+    return out

@@ -1,5 +1,8 @@
 """Tang-poem instruction sets: the form checker, the title split (no evaluation title in training), the DPO pairs'
-forms, and the two scripts (build the sets; the base / SFT / DPO form table)."""
+forms, the pairs judged from a model's own answers, and the three scripts (build the sets; sample judged pairs; the
+base / SFT / DPO form table)."""
+import json
+import random
 import re
 import subprocess
 import sys
@@ -10,7 +13,7 @@ from chat_helpers import chat_tokenizer, tiny_model
 from conftest import CLI_ENV
 
 from minigpt.checkpoint.native import save_pretrained
-from minigpt.data.poetry import FORMS, build_sets, check_form, read_poems
+from minigpt.data.poetry import FORMS, build_sets, check_form, dpo_pairs, form_requests, judged_pairs, read_poems
 from minigpt.errors import MiniGPTError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,6 +83,33 @@ def test_dpo_pairs_prefer_the_requested_form(sets):
         assert check_form(p["reference"], p["form"]).ok
 
 
+def test_judged_pairs_prefer_the_models_right_answer_to_its_wrong_one(poems):
+    formed = [p for form in FORMS for p in [p for p in poems if p.form == form][:10]]
+    requests = form_requests(dpo_pairs(formed, random.Random(0)))
+    assert [r["form"] for r in requests] == [p.form for p in formed]
+    assert [r["reference"] for r in requests] == [p.text for p in formed]
+    other = {r["form"]: r["reference"] for r in requests}
+    r0, r1, r2 = requests[:3]
+    wrong = [r0["reference"].replace("\n", ""), next(t for f, t in other.items() if f != r0["form"])]
+    samples = [
+        [wrong[0], r0["reference"], wrong[1]],  # right and wrong answers: a pair of the model's own
+        [wrong[0], wrong[1]],                   # only wrong answers: the corpus poem is chosen
+        [r2["reference"], r2["reference"]],     # only right answers: no pair
+    ]
+    pairs, counts = judged_pairs([r0, r1, r2], samples, random.Random(0))
+    assert counts == {"rows": 3, "answers": 7, "answers_ok": 3, "pairs": 2, "reference_chosen": 1, "all_ok": 1}
+    assert [p["id"] for p in pairs] == [f"{r0['id']}-judged", f"{r1['id']}-judged"]
+    assert pairs[0]["chosen"] == r0["reference"] and pairs[0]["rejected"] in wrong
+    assert pairs[1]["chosen"] == r1["reference"] and pairs[1]["rejected"] in wrong
+    for pair, request in zip(pairs, (r0, r1)):
+        assert pair["prompt"] == request["prompt"]
+        assert check_form(pair["chosen"], request["form"]).ok and not check_form(pair["rejected"], request["form"]).ok
+    with pytest.raises(MiniGPTError, match="2 lists of answers"):
+        judged_pairs([r0, r1, r2], samples[:2], random.Random(0))
+    with pytest.raises(MiniGPTError, match="no regular form"):
+        form_requests([{"id": "x", "prompt": r0["prompt"], "chosen": "not a poem"}])
+
+
 def run_script(name, *args):
     return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *map(str, args)], capture_output=True,
                           text=True, env=CLI_ENV, timeout=300)
@@ -100,3 +130,13 @@ def test_poetry_scripts_run(tmp_path):
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("| model | prompts | form right") and lines[2].endswith("| 2 | 0% | 0% | 0% | 0% |")
     assert len((tmp_path / "answers.jsonl").read_text().splitlines()) == 2
+    proc = run_script("sample_poetry_pairs.py", tmp_path / "model", "--pairs", out / "dpo_train.jsonl", "--out",
+                      tmp_path / "judged.jsonl", "--limit", 3, "--samples", 2, "--max-new-tokens", 4)
+    assert proc.returncode == 0, proc.stderr
+    assert "3 requests x 2 answers: 0.0% in form; 3 pairs (3 with the corpus poem as chosen)" in proc.stdout
+    built = [json.loads(line) for line in (out / "dpo_train.jsonl").read_text().splitlines()[:3]]
+    judged = [json.loads(line) for line in (tmp_path / "judged.jsonl").read_text().splitlines()]
+    assert [(j["prompt"], j["chosen"]) for j in judged] == [(b["prompt"], b["chosen"]) for b in built]
+    proc = run_script("sample_poetry_pairs.py", tmp_path / "model", "--pairs", tmp_path / "missing.jsonl", "--out",
+                      tmp_path / "x.jsonl")
+    assert proc.returncode == 1 and "does not exist; run scripts/build_poetry_sets.py" in proc.stderr
