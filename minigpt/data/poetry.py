@@ -230,9 +230,11 @@ def judged_pairs(rows: list[dict[str, Any]], samples: list[list[str]],
 def form_requests(pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The form requests of :func:`dpo_pairs`' rows, as :func:`judged_pairs` reads them: ``{"id", "prompt",
     "form", "reference"}``, the form being the chosen poem's. Raises :class:`MiniGPTError` for a row whose chosen
-    poem has no regular form."""
+    poem has no regular form, or that is not an object with a string ``chosen`` and a ``prompt``."""
     out = []
     for row in pairs:
+        if not isinstance(row, dict) or not isinstance(row.get("chosen"), str) or "prompt" not in row:
+            raise MiniGPTError(f"{str(row)[:80]!r} is not a form request pair with a prompt and a chosen poem")
         form = Poem("", "", row["chosen"].split("\n")).form
         if form is None:
             raise MiniGPTError(f"row {row.get('id')!r}: the chosen poem has no regular form")

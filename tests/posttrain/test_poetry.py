@@ -108,6 +108,9 @@ def test_judged_pairs_prefer_the_models_right_answer_to_its_wrong_one(poems):
         judged_pairs([r0, r1, r2], samples[:2], random.Random(0))
     with pytest.raises(MiniGPTError, match="no regular form"):
         form_requests([{"id": "x", "prompt": r0["prompt"], "chosen": "not a poem"}])
+    for bad in ([1, 2], {"prompt": r0["prompt"]}, {"chosen": r0["reference"]}, {"prompt": "x", "chosen": 3}):
+        with pytest.raises(MiniGPTError, match="not a form request pair"):
+            form_requests([bad])
 
 
 def run_script(name, *args):
