@@ -1,13 +1,15 @@
 """Does the model write the requested poem form? A Markdown table over several models (e.g. base, SFT, DPO).
 
     python scripts/poetry_form_table.py --prompts data/poetry/eval_prompts.jsonl MODEL [MODEL ...]
-                                        [--limit 100] [--max-new-tokens 120] [--answers answers.jsonl]
+                                        [--limit 100] [--max-new-tokens 120] [--batch-size 32]
+                                        [--answers answers.jsonl]
 
 Each prompt of ``eval_prompts.jsonl`` (from ``scripts/build_poetry_sets.py``; titles never seen in training) is
 rendered with the model's chat template, as ``minigpt chat`` does (a model without one gets the plain
-``User: ... / Assistant:`` template), and answered greedily. ``minigpt.data.poetry.check_form`` then judges each
-answer: the verse and line count, the characters per verse, and no text besides the poem. The table gives the
-share of answers passing each check and all of them.
+``User: ... / Assistant:`` template), and answered greedily, ``--batch-size`` prompts per forward pass (the same
+answers as one at a time). ``minigpt.data.poetry.check_form`` then judges each answer: the verse and line count,
+the characters per verse, and no text besides the poem. The table gives the share of answers passing each check
+and all of them.
 """
 from __future__ import annotations
 
@@ -16,30 +18,10 @@ import json
 import sys
 from pathlib import Path
 
-from minigpt.checkpoint.native import load_chat_template, load_model, load_tokenizer, resolve_checkpoint
 from minigpt.data.poetry import check_form
 from minigpt.errors import MiniGPTError
-from minigpt.infer.generate import generate_tokens
+from minigpt.infer.answers import answer_batch, load_chat_model
 from minigpt.infer.sampling import SamplingParams
-from minigpt.infer.stops import default_stop_ids
-from minigpt.tokenizer.chat_template import ChatTemplate
-
-
-def answer_all(source: str, prompts: list[dict], max_new_tokens: int) -> list[str]:
-    """Greedy answers of the model at ``source`` to every prompt's ``messages``."""
-    ckpt = resolve_checkpoint(source)
-    model, tokenizer = load_model(ckpt), load_tokenizer(ckpt)
-    formatter = ChatTemplate.for_model(tokenizer, load_chat_template(ckpt))
-    stop_ids = default_stop_ids(tokenizer, formatter)
-    answers = []
-    for p in prompts:
-        ids = formatter.prompt(p["messages"])
-        budget = min(max_new_tokens, model.config.max_seq_len - len(ids))
-        text = tokenizer.decode(list(generate_tokens(model, ids, SamplingParams(max_tokens=max(budget, 1), temperature=0.0), stop_ids=stop_ids)))
-        for stop in formatter.stop:  # the plain template's implicit end of turn
-            text = text.split(stop)[0]
-        answers.append(text.strip())
-    return answers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=100, help="first N prompts")
     parser.add_argument("--max-new-tokens", type=int, default=120)
     parser.add_argument("--answers", help="also write every answer and its verdict here (JSONL)")
+    parser.add_argument("--batch-size", type=int, default=32, help="prompts per forward pass")
     args = parser.parse_args(argv)
     try:
         path = Path(args.prompts)
@@ -58,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         rows, records = [], []
         for source in args.models:
             checks = []
-            for p, answer in zip(prompts, answer_all(source, prompts, args.max_new_tokens)):
+            answers = answer_batch(load_chat_model(source), [p["messages"] for p in prompts],
+                                   SamplingParams(max_tokens=args.max_new_tokens, temperature=0.0), args.batch_size)
+            for p, answer in zip(prompts, answers):
                 check = check_form(answer, p["form"])
                 checks.append(check)
                 records.append({"model": source, "id": p["id"], "form": p["form"], "answer": answer, "ok": check.ok})

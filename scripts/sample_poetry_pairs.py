@@ -20,38 +20,10 @@ from pathlib import Path
 
 import torch
 
-from minigpt.checkpoint.native import load_chat_template, load_model, load_tokenizer, resolve_checkpoint
 from minigpt.data.poetry import form_requests, judged_pairs
 from minigpt.errors import MiniGPTError
-from minigpt.infer.generate import generate_batch
+from minigpt.infer.answers import answer_batch, load_chat_model
 from minigpt.infer.sampling import SamplingParams
-from minigpt.infer.stops import default_stop_ids
-from minigpt.tokenizer.chat_template import ChatTemplate
-
-
-def sample_answers(source: str, requests: list[dict], samples: int, params: SamplingParams,
-                   batch_size: int) -> list[list[str]]:
-    """``samples`` answers of the model at ``source`` to each request's ``prompt`` messages, sampled with
-    ``params`` (its ``seed`` seeds each batch in turn), ``batch_size`` sequences per forward pass."""
-    ckpt = resolve_checkpoint(source)
-    model, tokenizer = load_model(ckpt), load_tokenizer(ckpt)
-    formatter = ChatTemplate.for_model(tokenizer, load_chat_template(ckpt))
-    stop_ids = default_stop_ids(tokenizer, formatter)
-    prompts = [formatter.prompt(r["prompt"]) for r in requests for _ in range(samples)]
-    texts = []
-    for start in range(0, len(prompts), batch_size):
-        seed = None if params.seed is None else params.seed + start
-        batch = generate_batch(model, prompts[start:start + batch_size], SamplingParams(
-            max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k, seed=seed),
-            stop_ids=stop_ids, tokenizer=tokenizer)
-        for c in batch:
-            text = c.text
-            for stop in formatter.stop:  # the plain template's implicit end of turn
-                text = text.split(stop)[0]
-            texts.append(text.strip())
-        print(f"\r{len(texts)}/{len(prompts)} answers", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
-    return [texts[i:i + samples] for i in range(0, len(texts), samples)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         requests = form_requests(rows[: args.limit])
         params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                 seed=args.seed)
-        answers = sample_answers(args.model, requests, args.samples, params, args.batch_size)
+        texts = answer_batch(load_chat_model(args.model), [r["prompt"] for r in requests for _ in range(args.samples)],
+                             params, args.batch_size, progress=True)
+        answers = [texts[i:i + args.samples] for i in range(0, len(texts), args.samples)]
         pairs, counts = judged_pairs(requests, answers, random.Random(args.seed))
     except (MiniGPTError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
