@@ -18,8 +18,15 @@
 // How: `vpdpbusd` multiplies unsigned by signed bytes, four products summed into each int32 lane. The weights are
 // made unsigned by flipping their top bit (w + 128) and the activations stay signed, so each 64-byte load of a
 // weight row takes one instruction, and the offset, 128 * sum_k q[m, k], is one number per activation row,
-// subtracted at the end. Four weight rows share each 64-byte load of an activation row; a row's 16 lanes are summed
-// once, at its end. No torch headers here: the threads come from the caller (native_runner.cpp).
+// subtracted at the end. The weight rows are read one after another, each from its start to its end: the matrix as
+// one sequential stream, which the hardware prefetchers follow. The activation rows (a few KB) stay in L1 and are
+// loaded again for each weight row; a row's 16 lanes are summed once, at its end. No torch headers here: the threads
+// come from the caller (native_runner.cpp).
+//
+// Why one row at a time: until session 56 four weight rows were read side by side, chunk by chunk, so that they
+// shared each activation load. On an AMD EPYC (Zen 4, family 25 model 17) that order streamed SmolLM-135M's int8
+// matrices at 18-20 GB/s against 30-37 GB/s for rows in turn (the same integers), which is what a plain read of
+// that much memory reaches there (docs/benchmarks.md, session 56).
 #include <immintrin.h>
 
 #include <cmath>
@@ -32,11 +39,11 @@ namespace minigpt_w8a8 {
 
 enum Isa { kNone = 0, kAvx2 = 1, kVnni = 2 };
 
-constexpr int kMaxRows = 4;       // activation rows sharing one pass over the weights (AVX2: 2, its 16 registers)
-constexpr int kOutRows = 4;       // weight rows per pass (8 for one or two activation rows: no faster, measured)
-// Bytes ahead of each weight row's read to prefetch; without, the product ran no faster than FBGEMM's (SmolLM-135M's
-// 120 layer matrices, one row, 2 threads, Xeon model 207: 1.00x FBGEMM; 4 KB 1.44x, 8 KB 1.52x, 16 KB 1.44x).
-constexpr int64_t kPrefetch = 8192;
+constexpr int kMaxRows = 4;  // activation rows sharing one pass over the weights
+// Bytes ahead of the weight read to prefetch. With four rows read side by side (before session 56) the product ran
+// no faster than FBGEMM's without it (SmolLM-135M's 120 layer matrices, one row, 2 threads, Xeon model 207: 1.00x
+// FBGEMM; 4 KB 1.44x, 8 KB 1.52x). Rows in turn, on the Zen 4 EPYC: 3.6-4.9 ms a token at 4 KB, 3.8-4.6 without.
+constexpr int64_t kPrefetch = 4096;
 
 // Which path runs here, read once: AVX512-VNNI (with BW for the byte loads), else AVX2, else none. Capped by
 // $ATEN_CPU_CAPABILITY (PyTorch's switch for running as on an older CPU: avx2, or default for none) and by
@@ -135,73 +142,55 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_vnni(const int8
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const int64_t full = in / 64, tail = in % 64;
   const __mmask64 tail_mask = tail ? (~0ULL >> (64 - tail)) : 0;
-  for (int64_t n = n0; n < n1; n += kOutRows) {
-    const int R = static_cast<int>(n1 - n < kOutRows ? n1 - n : kOutRows);
-    __m512i acc[M][kOutRows];
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < kOutRows; ++r) acc[m][r] = _mm512_setzero_si512();
-    const int8_t* row[kOutRows];
-    for (int r = 0; r < kOutRows; ++r) row[r] = w + (n + (r < R ? r : 0)) * in;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = w + n * in;
+    __m512i acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_si512();
     for (int64_t c = 0; c <= full; ++c) {
       if (c == full && tail == 0) break;
-      __m512i wv[kOutRows];
-      for (int r = 0; r < kOutRows; ++r) {
-        if (r >= R) {
-          wv[r] = _mm512_setzero_si512();
-          continue;
-        }
-        _mm_prefetch(reinterpret_cast<const char*>(row[r] + 64 * c) + kPrefetch, _MM_HINT_T0);
-        __m512i v = c < full ? _mm512_loadu_si512(row[r] + 64 * c) : _mm512_maskz_loadu_epi8(tail_mask, row[r] + 64 * c);
-        wv[r] = _mm512_xor_si512(v, flip);  // w + 128, unsigned; past `in` the activations are 0
-      }
-      for (int m = 0; m < M; ++m) {
-        __m512i qv = _mm512_loadu_si512(q + m * padded + 64 * c);
-        for (int r = 0; r < kOutRows; ++r) acc[m][r] = _mm512_dpbusd_epi32(acc[m][r], wv[r], qv);
-      }
+      _mm_prefetch(reinterpret_cast<const char*>(row + 64 * c) + kPrefetch, _MM_HINT_T0);
+      __m512i v = c < full ? _mm512_loadu_si512(row + 64 * c) : _mm512_maskz_loadu_epi8(tail_mask, row + 64 * c);
+      v = _mm512_xor_si512(v, flip);  // w + 128, unsigned; past `in` the activations are 0
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_dpbusd_epi32(acc[m], v, _mm512_loadu_si512(q + m * padded + 64 * c));
     }
     for (int m = 0; m < M; ++m)
-      for (int r = 0; r < R; ++r) {
-        int32_t total = _mm512_reduce_add_epi32(acc[m][r]) - 128 * qsum[m];
-        y[m * ldy + n + r] = static_cast<float>(total) * scale[n + r];
-      }
+      y[m * ldy + n] = static_cast<float>(_mm512_reduce_add_epi32(acc[m]) - 128 * qsum[m]) * scale[n];
   }
+}
+
+// Sixteen int8 values at p, widened to int16.
+__attribute__((target("avx2"))) inline __m256i widen(const int8_t* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 // AVX2 has no byte dot product that cannot saturate (`vpmaddubsw` adds pairs in 16 bits: 2 x 255 x 127 > 32767,
 // why FBGEMM's AVX2 product is not exact), so both operands are widened to 16 bits (`vpmovsxbw`) and multiplied
 // with `vpmaddwd`, pairs summed into int32: exact for every pair of int8 values, and signed x signed, so no offset.
-// 16 inputs per instruction, four weight rows sharing each activation load; a row's eight lanes summed at its end,
-// inputs past the last multiple of 16 one by one.
+// 32 inputs per iteration (two 16-input halves), weight rows in turn as above; a row's eight lanes summed at its
+// end, inputs past the last multiple of 32 one by one.
 template <int M>
 __attribute__((target("avx2"))) void rows_avx2(const int8_t* q, const int32_t* qsum, int64_t padded, const int8_t* w,
                                                int64_t in, const float* scale, int64_t n0, int64_t n1, float* y,
                                                int64_t ldy) {
   (void)qsum;
-  const int64_t full = in / 16 * 16;
-  for (int64_t n = n0; n < n1; n += kOutRows) {
-    const int R = static_cast<int>(n1 - n < kOutRows ? n1 - n : kOutRows);
-    __m256i acc[M][kOutRows];
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < kOutRows; ++r) acc[m][r] = _mm256_setzero_si256();
-    const int8_t* row[kOutRows];
-    for (int r = 0; r < kOutRows; ++r) row[r] = w + (n + (r < R ? r : 0)) * in;  // spare lanes reread row n
-    for (int64_t k = 0; k < full; k += 16) {
-      if ((k & 63) == 0)
-        for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(row[r] + k) + kPrefetch, _MM_HINT_T0);
-      __m256i qv[M];
-      for (int m = 0; m < M; ++m)
-        qv[m] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + m * padded + k)));
-      for (int r = 0; r < kOutRows; ++r) {
-        const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row[r] + k)));
-        for (int m = 0; m < M; ++m) acc[m][r] = _mm256_add_epi32(acc[m][r], _mm256_madd_epi16(wv, qv[m]));
+  const int64_t full = in / 32 * 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = w + n * in;
+    __m256i acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < full; k += 32) {
+      if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetch, _MM_HINT_T0);
+      const __m256i wa = widen(row + k), wb = widen(row + k + 16);
+      for (int m = 0; m < M; ++m) {
+        const __m256i qa = widen(q + m * padded + k), qb = widen(q + m * padded + k + 16);
+        acc[m] = _mm256_add_epi32(acc[m], _mm256_add_epi32(_mm256_madd_epi16(wa, qa), _mm256_madd_epi16(wb, qb)));
       }
     }
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < R; ++r) {
-        int32_t total = sum_lanes(acc[m][r]);
-        for (int64_t k = full; k < in; ++k) total += static_cast<int32_t>(q[m * padded + k]) * row[r][k];
-        y[m * ldy + n + r] = static_cast<float>(total) * scale[n + r];
-      }
+    for (int m = 0; m < M; ++m) {
+      int32_t total = sum_lanes(acc[m]);
+      for (int64_t k = full; k < in; ++k) total += static_cast<int32_t>(q[m * padded + k]) * row[k];
+      y[m * ldy + n] = static_cast<float>(total) * scale[n];
+    }
   }
 }
 
@@ -212,11 +201,10 @@ void product(const int8_t* q, const int32_t* qsum, int64_t rows, int64_t padded,
   using Pass = void (*)(const int8_t*, const int32_t*, int64_t, const int8_t*, int64_t, const float*, int64_t,
                         int64_t, float*, int64_t);
   static const Pass vnni[kMaxRows] = {rows_vnni<1>, rows_vnni<2>, rows_vnni<3>, rows_vnni<4>};
-  static const Pass avx2[2] = {rows_avx2<1>, rows_avx2<2>};
+  static const Pass avx2[kMaxRows] = {rows_avx2<1>, rows_avx2<2>, rows_avx2<3>, rows_avx2<4>};
   const Pass* passes = isa() == kVnni ? vnni : avx2;
-  const int64_t most = isa() == kVnni ? kMaxRows : 2;
-  for (int64_t m0 = 0; m0 < rows; m0 += most) {
-    int64_t n = rows - m0 < most ? rows - m0 : most;
+  for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
+    int64_t n = rows - m0 < kMaxRows ? rows - m0 : kMaxRows;
     passes[n - 1](q + m0 * padded, qsum + m0, padded, w, in, scale, n0, n1, y + m0 * ldy, ldy);
   }
 }

@@ -66,8 +66,8 @@ def _child(code: str, *args: str, capped: bool = True) -> list[str]:
 @pytest.mark.parametrize("capped", [True, False])
 def test_the_product_is_exact(capped):
     """The integer sums exact and FBGEMM's rounding of the activations, on the AVX2 path and (uncapped) on whatever
-    path this CPU runs: both equal the reference computed in float64, for 1-6 rows (the AVX2 path takes two per
-    pass), inputs not a multiple of 16 (the tail one by one) and weights of -128 (the widening to 16 bits makes
+    path this CPU runs: both equal the reference computed in float64, for 1-6 rows (either path takes up to four
+    per pass), inputs not a multiple of 32 (the AVX2 path's tail one by one) and weights of -128 (the widening to 16 bits makes
     every int8 pair exact; the sign trick of ``vpmaddubsw`` would overflow there)."""
     isa, *lines = _child(PRODUCT, capped=capped)
     assert isa == ("avx2" if capped else "avx512_vnni" if "avx512_vnni" in cpu_flags() else "avx2")
