@@ -67,9 +67,9 @@ def answer_batch(chat: ChatModel, conversations: Sequence[Sequence[dict]], param
         seed = None if params.seed is None else params.seed + start
         # A batch's cache holds its longest prompt + the largest budget: a prompt with less room than the budget
         # is answered alone, with the room it has, so that it shortens no other row's answer.
-        roomy = [i for i, p in enumerate(batch) if len(p) + params.max_tokens <= max_seq_len]
-        groups = [roomy] if roomy else []
-        groups += [[i] for i in range(len(batch)) if i not in set(roomy)]
+        roomy = [len(p) + params.max_tokens <= max_seq_len for p in batch]
+        groups = [[i for i, ok in enumerate(roomy) if ok]] if any(roomy) else []
+        groups += [[i] for i, ok in enumerate(roomy) if not ok]
         texts: dict[int, str] = {}
         for group in groups:
             room = min(params.max_tokens, max_seq_len - max(len(batch[i]) for i in group))

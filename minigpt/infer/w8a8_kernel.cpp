@@ -25,8 +25,8 @@
 //
 // Why one row at a time: until session 56 four weight rows were read side by side, chunk by chunk, so that they
 // shared each activation load. On an AMD EPYC (Zen 4, family 25 model 17) that order streamed SmolLM-135M's int8
-// matrices at 18-20 GB/s against 30-37 GB/s for rows in turn (the same integers), which is what a plain read of
-// that much memory reaches there (docs/benchmarks.md, session 56).
+// matrices at 18-20 GB/s against 27-37 GB/s for rows in turn (the same integers); a plain read of as many bytes
+// measured 30 GB/s there (docs/benchmarks.md, session 56).
 #include <immintrin.h>
 
 #include <cmath>
