@@ -48,8 +48,9 @@ def answer_batch(chat: ChatModel, conversations: Sequence[Sequence[dict]], param
     Up to ``batch_size`` conversations share a forward pass. Each answer ends at a stop id, at a stop string of
     ``params`` or of the template (the plain template's ``User:``; cut off, as in ``minigpt chat``) or after
     ``params.max_tokens`` tokens, fewer where the context is shorter than prompt + budget (such a prompt is
-    answered alone). With a ``params.seed``, the batch starting at conversation ``i`` is sampled with seed
-    ``seed + i``: the same inputs and ``batch_size`` give the same answers. ``progress`` prints a count to stderr.
+    answered alone). With a ``params.seed``, the conversations answered together whose first is conversation ``i``
+    (a batch, or such a prompt alone) are sampled with seed ``seed + i``: the same inputs and ``batch_size`` give
+    the same answers, and a prompt answered alone draws its own numbers. ``progress`` prints a count to stderr.
     Raises :class:`MiniGPTError`, before answering any, for ``batch_size`` < 1 or a prompt that leaves no room
     for one new token.
     """
@@ -64,7 +65,6 @@ def answer_batch(chat: ChatModel, conversations: Sequence[Sequence[dict]], param
     answers: list[str] = []
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start:start + batch_size]
-        seed = None if params.seed is None else params.seed + start
         # A batch's cache holds its longest prompt + the largest budget: a prompt with less room than the budget
         # is answered alone, with the room it has, so that it shortens no other row's answer.
         roomy = [len(p) + params.max_tokens <= max_seq_len for p in batch]
@@ -73,6 +73,7 @@ def answer_batch(chat: ChatModel, conversations: Sequence[Sequence[dict]], param
         texts: dict[int, str] = {}
         for group in groups:
             room = min(params.max_tokens, max_seq_len - max(len(batch[i]) for i in group))
+            seed = None if params.seed is None else params.seed + start + group[0]
             group_params = replace(params, max_tokens=room, seed=seed, stop=(*params.stop, *chat.template.stop))
             done = generate_batch(chat.model, [batch[i] for i in group], group_params, stop_ids=chat.stop_ids,
                                   tokenizer=chat.tokenizer)

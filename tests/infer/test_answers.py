@@ -67,6 +67,21 @@ def test_a_seed_repeats_the_sampled_answers(chat):
                         batch_size=4) != first
 
 
+def test_a_prompt_answered_alone_draws_its_own_numbers(chat):
+    """A prompt with less room than the budget is answered alone, with the seed of its own place: its sampled
+    answer is the one it gets as the first of its own call with that seed (not the numbers of its batch's first
+    row), and the rows answered together keep theirs."""
+    max_seq_len = chat.model.config.max_seq_len
+    # the shortest prompt with less room than the budget: as many sampled tokens as such a prompt can have
+    k = min(k for k in range(1, 40) if len(chat.template.prompt(message(k))) + 24 > max_seq_len)
+    short0, long1, short2 = CONVERSATIONS[0], message(k), CONVERSATIONS[2]
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=5)
+    got = answer_batch(chat, [short0, long1, short2], params)
+    assert got[1] == answer_batch(chat, [long1], SamplingParams(max_tokens=24, temperature=1.0, seed=6))[0]
+    assert got[1] != answer_batch(chat, [long1], params)[0]  # the batch's own seed draws other numbers
+    assert [got[0], got[2]] == answer_batch(chat, [short0, short2], params)
+
+
 def test_the_context_bounds_the_budget_and_a_full_prompt_is_an_error(chat):
     max_seq_len = chat.model.config.max_seq_len
     lengths = {k: len(chat.template.prompt(message(k))) for k in range(1, 40)}
