@@ -162,14 +162,18 @@ def test_the_arguments_dtypes_are_part_of_the_key():
     assert len(keys) == 2 and aot.step_key(fp, 1, 1, 64) not in keys
 
 
-def test_the_loops_vector_width_is_256_bits_on_avx512_cpus_and_enters_the_key(monkeypatch):
-    """The step's loops are compiled for 256-bit vectors where the CPU has AVX-512 (measured faster there,
-    docs/benchmarks.md), the widest under ``MINIGPT_STEP_SIMDLEN=native``; a bad value is refused by name; the
-    width is part of the saved step's key, so a step saved under one setting is not loaded under another."""
+def test_the_loops_vector_width_by_cpu_and_setting_enters_the_key(monkeypatch):
+    """The step's loops are compiled for 256-bit vectors on Intel CPUs with AVX-512 and for 512-bit ones on AMD's
+    (each measured faster there, docs/benchmarks.md), the widest under ``MINIGPT_STEP_SIMDLEN=native``; a bad value
+    is refused by name; the width is part of the saved step's key, so a step saved under one setting is not loaded
+    under another."""
     from minigpt.infer.fastpath import step
 
     monkeypatch.setattr(step, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
     monkeypatch.delenv(step.SIMDLEN_ENV, raising=False)
+    monkeypatch.setattr(step, "cpu_vendor", lambda: "AuthenticAMD")
+    assert step.simd_options() == {"cpp.simdlen": 512}
+    monkeypatch.setattr(step, "cpu_vendor", lambda: "GenuineIntel")
     assert step.simd_options() == {"cpp.simdlen": 256}
     fp = FastPath(make(), compile=True)
     default = aot.step_key(fp, 1, 1, 64)
