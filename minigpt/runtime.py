@@ -70,15 +70,20 @@ def parse_size(text: str | int, what: str = "size", minimum: int = 0) -> int:
     return n
 
 
-def cpu_name() -> str:
-    """The CPU's model name from ``/proc/cpuinfo`` (Linux), else what :mod:`platform` reports."""
+def _cpuinfo(field: str) -> Optional[str]:
+    """The value of the first ``field`` line of ``/proc/cpuinfo`` (Linux), None where there is none."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_name() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` (Linux), else what :mod:`platform` reports."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def _above_capability(flag: str, capability: str) -> bool:
@@ -97,26 +102,14 @@ def cpu_flags() -> frozenset[str]:
     ``$ATEN_CPU_CAPABILITY`` when it is ``avx2`` (AVX-512, AMX and AVX-VNNI go) or ``default`` (every AVX flag, FMA
     and F16C go too): PyTorch's own switch for running as on an older CPU, which ATen and Inductor's generated code
     follow, and MiniGPT's kernel choices with them. Empty elsewhere."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                capability = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
-                return frozenset(f for f in line.split(":", 1)[1].split() if not _above_capability(f, capability))
-    except OSError:
-        pass
-    return frozenset()
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    return frozenset(f for f in (_cpuinfo("flags") or "").split() if not _above_capability(f, capability))
 
 
 @lru_cache(maxsize=1)
 def cpu_vendor() -> str:
     """The CPU's ``vendor_id`` from ``/proc/cpuinfo`` (``GenuineIntel``, ``AuthenticAMD``, ...); empty elsewhere."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return _cpuinfo("vendor_id") or ""
 
 
 def loadavg() -> Optional[list[float]]:
