@@ -164,7 +164,8 @@ def test_the_arguments_dtypes_are_part_of_the_key():
 
 def test_the_loops_vector_width_by_cpu_and_setting_enters_the_key(monkeypatch):
     """The step's loops are compiled for 256-bit vectors on Intel CPUs with AVX-512 and for 512-bit ones on AMD's
-    (each measured faster there, docs/benchmarks.md), the widest under ``MINIGPT_STEP_SIMDLEN=native``; a bad value
+    (the widths measured best on a Xeon and a Zen 4 EPYC, docs/benchmarks.md), the widest under
+    ``MINIGPT_STEP_SIMDLEN=native``; a bad value
     is refused by name; the width is part of the saved step's key, so a step saved under one setting is not loaded
     under another."""
     from minigpt.infer.fastpath import step
