@@ -428,11 +428,9 @@ long mg_generate(void* handle, const int64_t* prompt, long n_prompt, long max_ne
       std::vector<at::Tensor> inputs{token, pos, pad};
       inputs.insert(inputs.end(), k.begin(), k.end());
       inputs.insert(inputs.end(), v.begin(), v.end());
+      // The package writes column p of every cache itself (aoti.StepModule): its outputs are the logits, or a
+      // greedy step's token and final hidden state.
       std::vector<at::Tensor> out = r->loader->boxed_run(std::move(inputs));
-      for (int64_t i = 0; i < r->n_layers; ++i) {
-        k[i].narrow(2, p, 1).copy_(out[1 + i]);
-        v[i].narrow(2, p, 1).copy_(out[1 + r->n_layers + i]);
-      }
       if (p < n_prompt - 1) continue;
       next = out[0].scalar_type() == at::kLong ? out[0].reshape({-1})[0].item<int64_t>()  // a greedy step's token
                                                : out[0].reshape({-1}).argmax().item<int64_t>();

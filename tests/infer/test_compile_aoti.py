@@ -32,9 +32,28 @@ def greedy(fp) -> list[int]:
 
 
 def _step_args(fp, cache_len: int = 64):
+    """A step's arguments at position 3, the caches filled with random keys and values (so that a write to the
+    wrong column, or a read of one, shows)."""
     cache = fp.new_kv_cache(1, cache_len)
+    for t in cache.k + cache.v:
+        t.normal_(generator=torch.Generator().manual_seed(t.numel() + len(t.shape)))
     zero = torch.zeros(1, dtype=torch.long)
     return (torch.tensor([[7]]), zero + 3, zero, list(cache.k), list(cache.v))
+
+
+def _copy_args(args):
+    token, pos, pad, k, v = args
+    return (token, pos, pad, [t.clone() for t in k], [t.clone() for t in v])
+
+
+def _assert_written(args_before, args_after, new_k, new_v, **tol):
+    """The caches of ``args_after`` are those of ``args_before`` with the step's new keys and values at its
+    position and nothing else changed."""
+    pos = int(args_before[1])
+    for before, after, new in zip(args_before[3] + args_before[4], args_after[3] + args_after[4], new_k + new_v):
+        want = before.clone()
+        want[:, :, pos:pos + new.shape[2]] = new
+        torch.testing.assert_close(after, want, **tol)
 
 
 @pytest.mark.parametrize("quantize", [None, "int8", "int4"])
@@ -49,11 +68,13 @@ def test_the_step_module_reads_the_fastpaths_own_tensors_and_computes_its_step(q
     assert named["l1_wqkv_" + ("weight" if fp.layers[1].wqkv.words is None else "words")] is (
         fp.layers[1].wqkv.weight if fp.layers[1].wqkv.words is None else fp.layers[1].wqkv.words)
     args = _step_args(fp)
+    mutated = _copy_args(args)
     with torch.inference_mode():
-        want, got = static_step(fp, *args), module(*args)
+        want, got = static_step(fp, *args), module(*mutated)
+    # The module returns the logits alone and writes the new keys and values into the caches it was given.
+    assert len(got) == 1
     torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
-    for a, b in zip(got[1] + got[2], want[1] + want[2]):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    _assert_written(args, mutated, want[1], want[2], atol=0, rtol=0)
 
 
 # The greedy step's head screen builds its C++ kernel first (~20 s on a fresh machine): that case runs in the slow stage.
@@ -73,12 +94,15 @@ def test_the_export_calls_the_layers_inline_and_computes_the_step(greedy, monkey
     step = exported.module()
     for length in (64, 40):
         args = _step_args(fp, length)
+        mutated = _copy_args(args)
         with torch.inference_mode():
             want = (aoti.static_greedy_step if greedy else static_step)(fp, *args)
-            got = step(*args)
+            got = step(*mutated)
+        assert len(got) == len(want) - 2  # the step's own outputs; the caches are written in place
         torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
-        for a, b in zip(got[1] + got[2], want[1] + want[2]):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        if greedy:
+            torch.testing.assert_close(got[1], want[3], atol=1e-6, rtol=1e-5)
+        _assert_written(args, mutated, want[1], want[2], atol=1e-6, rtol=1e-5)
 
 
 def test_a_killed_compiles_leftover_is_removed_once_stale_and_a_fresh_one_kept(tmp_path):

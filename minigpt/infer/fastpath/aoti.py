@@ -77,8 +77,16 @@ def step_tensors(fp) -> dict[str, torch.Tensor]:
 class StepModule(nn.Module):
     """:func:`~minigpt.infer.fastpath.step.static_step` of FastPath ``fp`` as a module whose buffers are
     :func:`step_tensors` (not copies): what ``torch.export`` traces. ``forward(token [batch, seq], input_pos [1],
-    pad [batch], k_cache, v_cache)`` -> ``(logits [batch, seq, vocab], new_k, new_v)``, per-layer lists as there;
-    with ``greedy``, :func:`~minigpt.infer.fastpath.step.static_greedy_step`'s ``(next, new_k, new_v, h)``."""
+    pad [batch], k_cache, v_cache)`` -> ``(logits [batch, seq, vocab],)``, with ``greedy``
+    :func:`~minigpt.infer.fastpath.step.static_greedy_step`'s ``(next, h)``; the new tokens' keys and values are
+    written into ``k_cache`` / ``v_cache`` (per layer ``[batch, n_kv_heads, T, head_dim]``) at columns
+    ``input_pos .. input_pos + seq - 1`` inside the graph.
+
+    Why inside: outside, the caller made ``2 * n_layers`` small copies per token, each a dispatch through ATen
+    (0.18 ms a token at SmolLM-135M's shape, ~4 % of an int4 step; session 57, docs/benchmarks.md). In the
+    package the write is one scatter of the new columns per cache, in place on the caller's tensors (AOTInductor
+    keeps a user input's in-place mutation on that input, bounds-checked). The ``torch.compile`` step keeps its
+    writes outside: its nested compile regions corrupted the cache when they wrote it (step.static_step)."""
 
     def __init__(self, fp, greedy: bool = False) -> None:
         super().__init__()
@@ -102,8 +110,15 @@ class StepModule(nn.Module):
         if self.greedy:
             view.screen = types.SimpleNamespace(proj=self._proj("screen"), bound=self.screen_bound,
                                                 native=fp.screen.native)
-            return static_greedy_step(view, token, input_pos, pad, k_cache, v_cache, regions=False)
-        return static_step(view, token, input_pos, pad, k_cache, v_cache, regions=False)
+            first, new_k, new_v, *rest = static_greedy_step(view, token, input_pos, pad, k_cache, v_cache,
+                                                            regions=False)
+        else:
+            first, new_k, new_v, *rest = static_step(view, token, input_pos, pad, k_cache, v_cache, regions=False)
+        columns = input_pos + torch.arange(token.shape[1], device=token.device)
+        for cache_k, cache_v, k, v in zip(k_cache, v_cache, new_k, new_v):
+            cache_k.index_copy_(2, columns, k)
+            cache_v.index_copy_(2, columns, v)
+        return (first, *rest)
 
 
 # A compile killed midway (Ctrl-C in a first `generate --compile`) leaves its temporary file behind; one still
@@ -182,10 +197,13 @@ def export_package(fp, example_args: tuple, path: Path, greedy: bool = False) ->
 
 class PackagedStep:
     """A step package (:func:`export_package`) bound to the tensors of FastPath ``fp``: called like the compiled
-    step, ``(token, input_pos, pad, k_cache, v_cache) -> (logits, new_k, new_v)`` (a greedy step: ``(next, new_k,
-    new_v, h)``). Raises ``ValueError`` when the
+    step, ``(token, input_pos, pad, k_cache, v_cache) -> (logits, [], [])`` (a greedy step: ``(next, [], [], h)``),
+    the new keys and values already written into the caches (:attr:`writes_cache`; see :class:`StepModule`).
+    Raises ``ValueError`` when the
     package names a tensor ``fp`` does not have (a package of another structure), else whatever the loader raises
     for an unreadable file."""
+
+    writes_cache = True  # the caller must not write the new columns again (FastPath._run_step)
 
     def __init__(self, path: Path, fp) -> None:
         self.n_layers = len(fp.layers)
@@ -201,6 +219,5 @@ class PackagedStep:
 
     def __call__(self, token, input_pos, pad, k_cache: list, v_cache: list):
         out = self.loader.boxed_run([token, input_pos, pad, *k_cache, *v_cache])
-        n = self.n_layers
-        return (out[0], out[1:1 + n], out[1 + n:1 + 2 * n], *out[1 + 2 * n:])
+        return (out[0], [], [], *out[1:])
 

@@ -430,10 +430,11 @@ class FastPath(nn.Module):
             self._steps[key] = step
             self.compile_sources[source] = self.compile_sources.get(source, 0) + 1
         first_out, new_k, new_v, *rest = step(*args)
-        # The new columns are written here, outside the graph (see step.static_step): 2 x n_layers small copies.
-        for cache_k, cache_v, k, v in zip(kv_cache.k, kv_cache.v, new_k, new_v):
-            cache_k[:, :, pos:pos + seq].copy_(k)
-            cache_v[:, :, pos:pos + seq].copy_(v)
+        if not getattr(step, "writes_cache", False):  # an AOTInductor package writes them itself (aoti.StepModule)
+            # The new columns are written here, outside the graph (see step.static_step): 2 x n_layers small copies.
+            for cache_k, cache_v, k, v in zip(kv_cache.k, kv_cache.v, new_k, new_v):
+                cache_k[:, :, pos:pos + seq].copy_(k)
+                cache_v[:, :, pos:pos + seq].copy_(v)
         if first:
             self.compile_seconds += time.perf_counter() - t0
         return (first_out, *rest)
