@@ -6,8 +6,10 @@ int8 x int8 product, :func:`w8a8_linear`, or, int4, to MiniGPT's int4 x int8 ker
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Optional
 
 import torch
@@ -16,7 +18,7 @@ from torch import nn
 
 from minigpt.infer.fastpath.library import OWN_INT8, aten_woq_linear, q4_linear, w8a8_linear
 from minigpt.model.quant import Int4Linear, Int8Linear, dequantize_weight_int4, int8_linear
-from minigpt.runtime import native_bf16
+from minigpt.runtime import cpu_vendor, native_bf16
 
 # Activations, the residual stream and the KV cache of the fast path are float32 whatever the weight dtype: bf16
 # (or int8) is a storage format for the weights, converted on the fly. Half-precision arithmetic has no hardware
@@ -46,6 +48,46 @@ INT4_ATEN_ROWS_MAX = 64
 # GEMM alone 62 ms; natively (bf16 GEMM) int8 33 -> 22 ms, int4 106 -> 47 ms. At SmolLM-135M's size a matrix is
 # at most 7 MB and the slices change nothing measurable (docs/benchmarks.md).
 PREFILL_SLICE_BYTES = 8 << 20
+
+FP32_GEMM_ENV = "MINIGPT_FP32_GEMM"
+
+
+def fp32_gemm_library() -> str:
+    """Which library computes the fast path's float32 products outside the compiled step (prefill, eager decode
+    steps): ``"onednn"`` on AMD CPUs, ``"mkl"`` (ATen's default for float32, oneMKL's sgemm) elsewhere, unless
+    ``$MINIGPT_FP32_GEMM`` is ``onednn`` or ``mkl``. Raises ``ValueError`` for another value.
+
+    Why: the oneMKL of torch 2.13's CPU wheel (2024.0) runs its AVX2 code on AMD CPUs. On a 2-core Zen 5 EPYC
+    (family 26 model 2, AVX-512), SmolLM-135M's four layer matrices, 2 threads: 175 GFLOP/s through oneMKL against
+    418 through oneDNN at 512 rows, 1.9-2.6x from 4 to 2048 rows, 1.16x at one row; with both capped to AVX2 still
+    1.1-1.5x (docs/benchmarks.md, session 58). On Intel CPUs oneMKL runs its AVX-512 code: ATen's default stays."""
+    choice = os.environ.get(FP32_GEMM_ENV, "").strip().lower()
+    if choice not in ("", "onednn", "mkl"):
+        raise ValueError(f"${FP32_GEMM_ENV}={choice!r}: choose onednn or mkl")
+    if not _onednn_linear_available():
+        return "mkl"
+    return choice or ("onednn" if cpu_vendor() == "AuthenticAMD" else "mkl")
+
+
+@lru_cache(maxsize=1)
+def _onednn_linear_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` (``x`` ``[..., in]``, ``w`` ``[out, in]`` -> ``[..., out]``) for many rows: float32
+    on the CPU through oneDNN's GEMM where :func:`fp32_gemm_library` chooses it and no gradient is wanted
+    (oneDNN's linear op has no autograd formula), else ``F.linear``. The two differ in summation order only."""
+    if (x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+            and fp32_gemm_library() == "onednn"):
+        return _onednn_linear(x, w, bias, "none", [], "")
+    return F.linear(x, w, bias)
+
+
+def _onednn_linear(*args):
+    """oneDNN's linear op (Inductor's for CPU products), looked up at the call: ``(x, w, bias, "none", [], "")``."""
+    return torch.ops.mkldnn._linear_pointwise(*args)
 
 
 class Proj:
@@ -127,7 +169,7 @@ class Proj:
         if self.scale is not None:
             return int8_linear(x, w, self.scale, self.bias)
         if w.dtype == x.dtype:
-            return F.linear(x, w, self.bias)
+            return gemm(x, w, self.bias)
         if rows == 1 and self.bias is None:
             return torch.mv(w, x.reshape(-1).to(w.dtype)).to(x.dtype).view(*x.shape[:-1], -1)
         if rows <= DECODE_ROWS_MAX:
@@ -167,16 +209,16 @@ class Proj:
         dtype = torch.bfloat16 if bf16 else x.dtype
         x2 = x.reshape(rows, n_in).to(dtype)
         if w.dtype == dtype:
-            y = F.linear(x2, w)
+            y = gemm(x2, w)
         else:
             out = w.shape[0]
             step = max(16, PREFILL_SLICE_BYTES // (n_in * x2.element_size()) // 16 * 16)
             if step >= out:
-                y = F.linear(x2, self.converted(dtype))
+                y = gemm(x2, self.converted(dtype))
             else:
                 y = x2.new_empty(rows, out)
                 for start in range(0, out, step):
-                    y[:, start:start + step] = F.linear(x2, self.converted(dtype, start, start + step))
+                    y[:, start:start + step] = gemm(x2, self.converted(dtype, start, start + step))
         y = y.to(x.dtype)
         if scale is not None and scale.dim() == 1:
             y = y * scale.to(x.dtype)

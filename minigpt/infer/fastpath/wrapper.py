@@ -430,8 +430,7 @@ class FastPath(nn.Module):
             self._steps[key] = step
             self.compile_sources[source] = self.compile_sources.get(source, 0) + 1
         first_out, new_k, new_v, *rest = step(*args)
-        if not getattr(step, "writes_cache", False):  # an AOTInductor package writes them itself (aoti.StepModule)
-            # The new columns are written here, outside the graph (see step.static_step): 2 x n_layers small copies.
+        if not getattr(step, "writes_cache", False):  # a package writes the new columns itself (aoti.StepModule)
             for cache_k, cache_v, k, v in zip(kv_cache.k, kv_cache.v, new_k, new_v):
                 cache_k[:, :, pos:pos + seq].copy_(k)
                 cache_v[:, :, pos:pos + seq].copy_(v)
