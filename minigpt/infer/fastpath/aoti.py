@@ -206,7 +206,6 @@ class PackagedStep:
     writes_cache = True  # the caller must not write the new columns again (FastPath._run_step)
 
     def __init__(self, path: Path, fp) -> None:
-        self.n_layers = len(fp.layers)
         self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
         tensors = step_tensors(fp)
         names = list(self.loader.get_constant_fqns())

@@ -75,9 +75,9 @@ def _onednn_linear_available() -> bool:
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)`` (``x`` ``[..., in]``, ``w`` ``[out, in]`` -> ``[..., out]``) for many rows: float32
-    on the CPU through oneDNN's GEMM where :func:`fp32_gemm_library` chooses it and no gradient is wanted
-    (oneDNN's linear op has no autograd formula), else ``F.linear``. The two differ in summation order only."""
+    """``F.linear(x, w, bias)`` (``x`` ``[..., in]``, ``w`` ``[out, in]`` -> ``[..., out]``): float32 on the CPU
+    through oneDNN's GEMM where :func:`fp32_gemm_library` chooses it and no gradient is wanted (oneDNN's linear op
+    has no autograd formula), else ``F.linear``. The two differ in summation order only."""
     if (x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
             and fp32_gemm_library() == "onednn"):
