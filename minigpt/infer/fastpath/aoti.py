@@ -110,10 +110,8 @@ class StepModule(nn.Module):
         if self.greedy:
             view.screen = types.SimpleNamespace(proj=self._proj("screen"), bound=self.screen_bound,
                                                 native=fp.screen.native)
-            first, new_k, new_v, *rest = static_greedy_step(view, token, input_pos, pad, k_cache, v_cache,
-                                                            regions=False)
-        else:
-            first, new_k, new_v, *rest = static_step(view, token, input_pos, pad, k_cache, v_cache, regions=False)
+        step = static_greedy_step if self.greedy else static_step
+        first, new_k, new_v, *rest = step(view, token, input_pos, pad, k_cache, v_cache, regions=False)
         columns = input_pos + torch.arange(token.shape[1], device=token.device)
         for cache_k, cache_v, k, v in zip(k_cache, v_cache, new_k, new_v):
             cache_k.index_copy_(2, columns, k)
