@@ -112,6 +112,24 @@ CLI_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATA
            "TRANSFORMERS_OFFLINE": "1"}
 
 
+def float_kernel_paths(code: str, cap_variable: str, isa: str) -> tuple[str, list[str]]:
+    """Run ``code`` (a script that prints a float kernel's instruction set, then one line per case) in a child
+    process capped to ``isa`` by ``cap_variable`` (``"native"``: not capped) and return ``(this CPU's best path,
+    the printed lines)``; skip when ``isa`` is ``"avx2"`` and the CPU has no AVX2. For the float kernels of the
+    runner library (``minigpt_ops::float_isa``), which pick their path once per process."""
+    from minigpt.runtime import cpu_flags
+
+    if isa == "avx2" and "avx2" not in cpu_flags():
+        pytest.skip("the AVX2 path needs an AVX2 CPU")
+    best = "avx512" if {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags() else "avx2" if "avx2" in cpu_flags() \
+        else "scalar"
+    env = {**CLI_ENV, **({cap_variable: isa} if isa != "native" else {})}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    return best, out.stdout.strip().splitlines()
+
+
 def run_cli(*args, stdin=None, env=None):
     """Run ``python -m minigpt ARGS`` (``env``: variables added to :data:`CLI_ENV`) and return the completed
     process (text mode). Forked from a process that has imported torch (``tests/cli_zygote.py``) where that is the

@@ -4,8 +4,8 @@
 // launcher (minigpt/cli/quick.py) loads this library with ctypes. Greedy decoding only. The same library gives a
 // Python process the C++ kernels of the int8 and int4 product ops its compiled steps call (minigpt::w8a8_mm, see
 // register_w8a8_op and minigpt/infer/fastpath/library.py, with MiniGPT's own kernel for a few rows in
-// w8a8_kernel.cpp; minigpt::q4_mm, q4_kernel.cpp; minigpt::woq8_mm, the head screen's, woq8_kernel.cpp; all four
-// sources compiled into the same library).
+// w8a8_kernel.cpp; minigpt::q4_mm, q4_kernel.cpp; minigpt::woq8_mm, the head screen's, woq8_kernel.cpp;
+// minigpt::float_mv, float32 and bfloat16 weights, float_kernel.cpp; all five sources compiled into one library).
 //
 // The C interface (every function catches every C++ exception and reports it through `err`):
 //   mg_open(package, bundle_dir, threads, err, errlen) -> handle or NULL
@@ -15,6 +15,7 @@
 //   mg_w8a8_install(err, errlen) -> 0 or -1: in a Python process, the C++ kernel of the int8 product op
 //   mg_q4_install(err, errlen) -> 0 or -1: likewise for the int4 product op (q4_kernel.cpp)
 //   mg_woq8_install(err, errlen) -> 0 or -1: likewise for the head screen's product op (woq8_kernel.cpp)
+//   mg_float_install(err, errlen) -> 0 or -1: likewise for the float matrix-vector product op (float_kernel.cpp)
 //
 // The bundle: `tensors.bin` (every tensor's bytes, 64-byte aligned, memory-mapped read-only: no copy),
 // `tensors.txt` (a header line `minigpt-native 1 n_layers n_kv_heads head_dim`, then one line per tensor:
@@ -378,6 +379,7 @@ extern "C" {
 
 int mg_q4_install(char* err, int errlen);    // q4_kernel.cpp: minigpt::q4_mm's kernel
 int mg_woq8_install(char* err, int errlen);  // woq8_kernel.cpp: minigpt::woq8_mm's kernel
+int mg_float_install(char* err, int errlen);  // float_kernel.cpp: minigpt::float_mv's kernel
 
 void* mg_open(const char* package, const char* bundle_dir, int threads, char* err, int errlen) {
   auto r = std::make_unique<Runner>();
@@ -388,6 +390,7 @@ void* mg_open(const char* package, const char* bundle_dir, int threads, char* er
     char q4_err[512] = {0};
     if (mg_q4_install(q4_err, sizeof q4_err) != 0) throw std::runtime_error(q4_err);  // the int4 op, likewise
     if (mg_woq8_install(q4_err, sizeof q4_err) != 0) throw std::runtime_error(q4_err);  // the head screen's op
+    if (mg_float_install(q4_err, sizeof q4_err) != 0) throw std::runtime_error(q4_err);  // float products
     r->loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(package, "model", false, 1, -1);
     std::unordered_map<std::string, at::Tensor> wanted;
     for (const auto& name : r->loader->get_constant_fqns()) {

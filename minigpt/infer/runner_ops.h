@@ -1,10 +1,12 @@
 // Registering a CPU kernel of the runner library for one of MiniGPT's ops, once per process, and reporting a
-// failure through a C interface: shared by q4_kernel.cpp and woq8_kernel.cpp (part of the runner library's digest,
+// failure through a C interface: shared by q4_kernel.cpp, woq8_kernel.cpp and float_kernel.cpp; and the float kernels' choice of instruction set (part of the runner library's digest,
 // minigpt/infer/launcher.py).
 #pragma once
 
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -13,6 +15,30 @@
 #include <string>
 
 namespace minigpt_ops {
+
+// The float kernels' instruction sets (woq8_kernel.cpp, float_kernel.cpp), best last.
+enum FloatIsa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+inline const char* const kFloatIsaNames[] = {"scalar", "avx2", "avx512"};
+
+// The best of them this CPU runs (AVX2 + FMA; AVX-512 F + BW + VL, for masked 8- and 16-bit loads), capped by
+// $ATEN_CPU_CAPABILITY (avx2 / default) like PyTorch's own kernels and by the variable `cap_env` (avx2 | scalar:
+// tests of the other paths). Each kernel reads it once.
+inline FloatIsa float_isa(const char* cap_env) {
+  __builtin_cpu_init();
+  FloatIsa best = kScalar;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = kAvx2;
+  if (best == kAvx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl"))
+    best = kAvx512;
+  const char* aten = std::getenv("ATEN_CPU_CAPABILITY");
+  if (aten != nullptr && (std::string(aten) == "avx2" || std::string(aten) == "AVX2")) best = std::min(best, kAvx2);
+  if (aten != nullptr && (std::string(aten) == "default" || std::string(aten) == "DEFAULT")) best = kScalar;
+  const char* cap = std::getenv(cap_env);
+  if (cap != nullptr)
+    for (int i = 0; i < 3; ++i)
+      if (std::string(cap) == kFloatIsaNames[i]) best = std::min(best, static_cast<FloatIsa>(i));
+  return best;
+}
 
 struct Registration {
   std::mutex mutex;

@@ -40,8 +40,9 @@
 
 namespace {
 
-enum Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-const char* const kIsaNames[] = {"scalar", "avx2", "avx512"};
+using minigpt_ops::kAvx2;
+using minigpt_ops::kAvx512;
+using minigpt_ops::kScalar;
 
 constexpr int kMaxRows = 2;  // activation rows per pass over the weights
 // Bytes ahead of the weight read to prefetch, as in the int8 x int8 kernel (w8a8_kernel.cpp). The weight rows are
@@ -50,25 +51,9 @@ constexpr int kMaxRows = 2;  // activation rows per pass over the weights
 // same either way: its own lanes, in the same order.
 constexpr int64_t kPrefetch = 4096;
 
-// AVX-512 (F + BW + VL: masked byte loads) or AVX2 + FMA, capped by $ATEN_CPU_CAPABILITY (avx2 / default) like
-// PyTorch's own kernels and by $MINIGPT_WOQ8_ISA=avx2|scalar (tests of the other paths).
-Isa chosen_isa() {
-  static const Isa isa = [] {
-    __builtin_cpu_init();
-    Isa best = kScalar;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = kAvx2;
-    if (best == kAvx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl"))
-      best = kAvx512;
-    const char* aten = std::getenv("ATEN_CPU_CAPABILITY");
-    if (aten != nullptr && (std::string(aten) == "avx2" || std::string(aten) == "AVX2")) best = std::min(best, kAvx2);
-    if (aten != nullptr && (std::string(aten) == "default" || std::string(aten) == "DEFAULT")) best = kScalar;
-    const char* cap = std::getenv("MINIGPT_WOQ8_ISA");
-    if (cap != nullptr)
-      for (int i = 0; i < 3; ++i)
-        if (std::string(cap) == kIsaNames[i]) best = std::min(best, static_cast<Isa>(i));
-    return best;
-  }();
+// This CPU's best path, capped by $ATEN_CPU_CAPABILITY and $MINIGPT_WOQ8_ISA (minigpt_ops::float_isa); read once.
+minigpt_ops::FloatIsa chosen_isa() {
+  static const minigpt_ops::FloatIsa isa = minigpt_ops::float_isa("MINIGPT_WOQ8_ISA");
   return isa;
 }
 
@@ -170,7 +155,7 @@ at::Tensor woq8_mm(const at::Tensor& x, const at::Tensor& words, const at::Tenso
   return y;
 }
 
-std::string woq8_isa() { return kIsaNames[chosen_isa()]; }
+std::string woq8_isa() { return minigpt_ops::kFloatIsaNames[chosen_isa()]; }
 
 minigpt_ops::Registration registration;
 

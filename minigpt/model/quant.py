@@ -274,3 +274,15 @@ def tensor_bytes(model: nn.Module) -> int:
             seen.add(key)
             total += t.numel() * t.element_size()
     return total
+
+
+def quantize_in_place(model: nn.Module, quantize: Optional[str]) -> nn.Module:
+    """Quantize ``model`` by the name a user gives (``"int8"``, ``"int4"``; None or ``"none"``: leave it) unless it
+    is quantized already. Raises ``ValueError`` for an unknown name."""
+    if quantize in (None, "none"):
+        return model
+    if quantize not in SCHEMES:
+        raise ValueError(f"unknown quantization {quantize!r}; choose {', '.join(SCHEMES)} or none")
+    if not is_quantized(model):
+        quantize_model(model, SCHEMES[quantize])
+    return model

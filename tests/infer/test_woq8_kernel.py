@@ -8,19 +8,13 @@ of the four a pass reads. In this process: its errors for bad arguments, that th
 screened greedy token is the same through it and through the step's loops."""
 import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import CLI_ENV
+from conftest import float_kernel_paths
 
 from minigpt.infer.fastpath.kernels import int8_words
 from minigpt.infer.fastpath.screen import HeadScreen, screened_argmax, woq8_kernel
-from minigpt.runtime import cpu_flags
-
-ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
                                 reason="no C++ compiler for the runner library")
@@ -47,23 +41,12 @@ for out, n_in in [(1, 4), (3, 20), (33, 96), (130, 580), (64, 1536)]:
 """
 
 
-def _child(isa: str) -> list[str]:
-    env = {**CLI_ENV, **({"MINIGPT_WOQ8_ISA": isa} if isa != "native" else {})}
-    out = subprocess.run([sys.executable, "-c", PRODUCT], capture_output=True, text=True, env=env, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout.strip().splitlines()
-
-
 @pytest.mark.parametrize("isa", ["native", "avx2", "scalar"])
 def test_every_path_is_within_the_screens_rounding_bound(isa):
     """Each path (this CPU's best, AVX2, plain C++) within float32 rounding of the float64 product, and not the
     float64 product itself (a kernel that computed something else exactly would fail the first, one in float64
     the second)."""
-    if isa == "avx2" and "avx2" not in cpu_flags():
-        pytest.skip("the AVX2 path needs an AVX2 CPU")
-    best = "avx512" if {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags() else "avx2" if "avx2" in cpu_flags() \
-        else "scalar"
-    got_isa, *lines = _child(isa)
+    best, (got_isa, *lines) = float_kernel_paths(PRODUCT, "MINIGPT_WOQ8_ISA", isa)
     assert got_isa == (best if isa == "native" else isa)
     assert len(lines) == 25 and all(line.endswith("True True") for line in lines), lines
 

@@ -426,7 +426,7 @@ def _row_blocks(out: int, rows: int) -> int:
     return 1
 
 
-def decode_linear(p, x: torch.Tensor, group_size: int = 0, w8a8: bool = False) -> torch.Tensor:
+def decode_linear(p, x: torch.Tensor, group_size: int = 0, w8a8: bool = False, float_mv: bool = False) -> torch.Tensor:
     """``p(x)`` for the traced decode step, ``x`` ``[batch, seq, in]`` -> ``[batch, seq, out]`` (``seq`` new tokens
     per row: 1 when decoding, k + 1 when verifying speculative proposals).
 
@@ -441,9 +441,11 @@ def decode_linear(p, x: torch.Tensor, group_size: int = 0, w8a8: bool = False) -
     (:func:`aten_woq_layout`), whose kernels then compute the product for any number of rows. ``w8a8``: an int8
     ``p`` was prepared by :func:`w8a8_layout` and goes through :func:`w8a8_linear`, any number of rows (a flag, not
     ``p.w8a8``: the step rebuilds its projections from their tensors, and Dynamo must not touch FBGEMM's object).
+    ``float_mv``: float32 and bfloat16 weights go through MiniGPT's C++ kernel, the op ``minigpt::float_mv``, up to
+    :data:`DECODE_ROWS_MAX` rows as the loops (:mod:`~minigpt.infer.fastpath.float_mv`, for AOTInductor packages).
     """
     if isinstance(p, list):
-        return torch.cat([decode_linear(q, x, group_size, w8a8) for q in p], dim=-1)
+        return torch.cat([decode_linear(q, x, group_size, w8a8, float_mv) for q in p], dim=-1)
     if w8a8 and p.scale is not None and p.scale.dim() == 1:
         return w8a8_linear(p, x)
     batch, seq = x.shape[0], x.shape[1]
@@ -463,6 +465,8 @@ def decode_linear(p, x: torch.Tensor, group_size: int = 0, w8a8: bool = False) -
         y = _int4_words_linear(x32, p.words, p.scale, p.word_scale)
     elif p.words is not None:
         y = _int8_words_linear(x32, p.words)
+    elif float_mv and p.scale is None and p.weight.dtype in (torch.float32, torch.bfloat16):
+        y = torch.ops.minigpt.float_mv(x32, p.weight)
     else:
         w = p.weight.float() if p.weight.dtype != torch.float32 else p.weight
         # The rows of W in `split` blocks, each its own reduction of the same shape: Inductor fuses them into one

@@ -42,6 +42,7 @@ class Geometry:
     group_size: int = 0  # of the int4 projections read by ATen's kernels (library.aten_woq_layout); 0: none
     w8a8: bool = False  # the int8 projections of the layers go through FBGEMM (library.w8a8_layout)
     head_w8a8: bool = False  # the LM head does
+    float_mv: bool = False  # float32 and bfloat16 projections go through minigpt::float_mv (fastpath.float_mv)
 
 
 def simd_options() -> dict:
@@ -124,7 +125,7 @@ def static_step(fp, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Ten
     :func:`decode_layer` inline (for ``torch.export``, see :func:`_trunk`)."""
     h, new_k, new_v = _trunk(fp, token, input_pos, pad, k_cache, v_cache, regions)
     h = rms_norm(h, fp.final_norm, fp.final_eps)
-    return decode_linear(fp.head, h, w8a8=fp.geometry.head_w8a8), new_k, new_v
+    return decode_linear(fp.head, h, w8a8=fp.geometry.head_w8a8, float_mv=fp.geometry.float_mv), new_k, new_v
 
 
 def static_greedy_step(fp, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Tensor,
@@ -188,7 +189,7 @@ def decode_layer(h, k_cache, v_cache, key_valid, cos, sin, attn_norm, wqkv, wqkv
 
     def attention(x):
         batch, seq = x.shape[0], x.shape[1]
-        qkv = decode_linear(Proj(wqkv, wqkv_scale, wqkv_bias, wqkv_words, wqkv_ws), x, g.group_size, g.w8a8)
+        qkv = decode_linear(Proj(wqkv, wqkv_scale, wqkv_bias, wqkv_words, wqkv_ws), x, g.group_size, g.w8a8, g.float_mv)
         qkv = qkv.view(batch, seq, nh + 2 * nkv, hd)
         qk = rope_rotate(qkv[:, :, :nh + nkv], cos, sin)
         q = qk[:, :, :nh]
@@ -215,12 +216,12 @@ def decode_layer(h, k_cache, v_cache, key_valid, cos, sin, attn_norm, wqkv, wqkv
         out = ((probs[..., :t, None] * v_cache[:, :, None, None, :, :]).sum(-2)
                + (probs[..., t:, None] * v[:, :, None, None, :, :]).sum(-2))  # [batch, n_kv, n_rep, seq, head_dim]
         out = out.permute(0, 3, 1, 2, 4).reshape(batch, seq, nh * hd)
-        return decode_linear(Proj(wo, wo_scale, wo_bias, wo_words, wo_ws), out, g.group_size, g.w8a8)
+        return decode_linear(Proj(wo, wo_scale, wo_bias, wo_words, wo_ws), out, g.group_size, g.w8a8, g.float_mv)
 
     def feed_forward(x):
         hidden = ffn_hidden(g.ffn, decode_linear(Proj(w13, w13_scale, w13_bias, w13_words, w13_ws), x,
-                                                 g.group_size, g.w8a8))
-        return decode_linear(Proj(w2, w2_scale, w2_bias, w2_words, w2_ws), hidden, g.group_size, g.w8a8)
+                                                 g.group_size, g.w8a8, g.float_mv))
+        return decode_linear(Proj(w2, w2_scale, w2_bias, w2_words, w2_ws), hidden, g.group_size, g.w8a8, g.float_mv)
 
     h = pre_norm_residual(h, lambda x: rms_norm(x, attn_norm, attn_eps), attention,
                           lambda x: rms_norm(x, ffn_norm, ffn_eps), feed_forward)

@@ -17,6 +17,7 @@ from torch import nn
 from minigpt.checkpoint.adapter import load_merged
 from minigpt.checkpoint.native import load_model
 from minigpt.infer.fastpath.aot import cached_step
+from minigpt.infer.fastpath.float_mv import float_mv_wanted
 from minigpt.infer.fastpath.kernels import (
     ACT_DTYPE,
     LayerWeights,
@@ -43,7 +44,7 @@ from minigpt.model.config import ModelConfig
 from minigpt.model.ffn import GATED, ffn_hidden
 from minigpt.model.kv_cache import KVCache
 from minigpt.model.norm import rms_norm
-from minigpt.model.quant import SCHEMES, is_quantized, quantize_model
+from minigpt.model.quant import is_quantized, quantize_in_place
 from minigpt.model.rope import rope_rotate, signed_sine
 from minigpt.model.transformer import Transformer, positions_from_mask, pre_norm_residual
 
@@ -179,8 +180,11 @@ class FastPath(nn.Module):
         self.cos = m.rope_cos.to(ACT_DTYPE)
         self.sin_signed = signed_sine(m.rope_sin).to(ACT_DTYPE)
         self.scale = 1.0 / math.sqrt(c.head_dim)
+        # float products of an AOTInductor step on a CPU through MiniGPT's C++ kernel (float_mv: why, and why not
+        # torch.compile's steps)
+        floats = self.compiled and self.aoti and self.device.type == "cpu" and float_mv_wanted(flat)
         self.geometry = Geometry(c.n_heads, c.n_kv_heads, c.head_dim, self.scale, c.ffn, self.woq_group_size,
-                                 layers_w8a8, self.head.w8a8 is not None)
+                                 layers_w8a8, self.head.w8a8 is not None, floats)
 
     @property
     def device(self) -> torch.device:
@@ -467,18 +471,6 @@ def prepare(model: Transformer, dtype: Optional[torch.dtype] = None, quantize: O
         model.to(dtype=dtype)
     quantize_in_place(model, quantize)
     return FastPath(model, fuse=fuse, compile=compile, compile_mode=compile_mode, woq_kernel=woq_kernel, aoti=aoti)
-
-
-def quantize_in_place(model: Transformer, quantize: Optional[str]) -> Transformer:
-    """Quantize ``model`` by the name a user gives (``"int8"``, ``"int4"``; None or ``"none"``: leave it) unless it
-    is quantized already. Raises ``ValueError`` for an unknown name."""
-    if quantize in (None, "none"):
-        return model
-    if quantize not in SCHEMES:
-        raise ValueError(f"unknown quantization {quantize!r}; choose {', '.join(SCHEMES)} or none")
-    if not is_quantized(model):
-        quantize_model(model, SCHEMES[quantize])
-    return model
 
 
 def load_for_inference(source, device: torch.device | str = "cpu", dtype: Optional[torch.dtype] = None,

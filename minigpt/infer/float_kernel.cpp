@@ -1,0 +1,222 @@
+// MiniGPT's float matrix-vector product for decode steps: the CPU kernel of the op minigpt::float_mv(x, weight),
+// float32 activations times a float32 or bfloat16 matrix. Built into the native runner library (native_runner.cpp,
+// whose build compiles this file beside it), registered in a Python process by mg_float_install, in the runner's
+// own process when it opens a bundle.
+//
+// What it computes:
+//   x       [rows, in] float32 (a decode step's few rows: one per sequence and new token);
+//   weight  [out, in] float32 or bfloat16;
+//   result  [rows, out] float32: y[m, n] = sum_k x[m, k] * w[n, k], every weight converted to float32 exactly (a
+//           bfloat16 is the top half of a float32), the products accumulated in float32 by fused multiply-adds in
+//           four chains of 16 (AVX-512) or 8 (AVX2) lanes, summed at the row's end. Only the order of the sum
+//           differs from the compiled step's generated loops (minigpt/infer/fastpath/kernels.py, decode_linear).
+//
+// Why: with the products in this kernel, an AOTInductor step package's C++ source holds no matrix-vector loops,
+// and the package compiles in about half the time (SmolLM-135M's shape, 2-core Zen 5 EPYC: fp32 99.6 -> 58.4 s,
+// bf16 117.8 -> 62.2 s). Decode runs as fast as through the generated loops, within that host's noise: both read
+// the weights at the rate of a plain read matrix by matrix (38-43 GB/s in the step when a standalone read of the
+// 120 fp32 layer matrices gave 39-43), which is what a token costs (docs/benchmarks.md, session 59).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include "runner_ops.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+namespace {
+
+using minigpt_ops::kAvx2;
+using minigpt_ops::kAvx512;
+using minigpt_ops::kScalar;
+
+// This CPU's best path, capped by $ATEN_CPU_CAPABILITY and $MINIGPT_FLOAT_MV_ISA (minigpt_ops::float_isa); read once.
+minigpt_ops::FloatIsa chosen_isa() {
+  static const minigpt_ops::FloatIsa isa = minigpt_ops::float_isa("MINIGPT_FLOAT_MV_ISA");
+  return isa;
+}
+
+// 16 weights as float32 lanes: a float32 load, or bfloat16 widened to 32 bits and shifted into the top half.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const uint16_t* w) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const float* w, __mmask16 mask) {
+  return _mm512_maskz_loadu_ps(mask, w);
+}
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const uint16_t* w, __mmask16 mask) {
+  const __m256i h = _mm256_maskz_loadu_epi16(mask, w);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// One weight row times M activation rows: y[m * ldy]. Four chains of fused multiply-adds, so that the adds'
+// latency does not bound the loop.
+template <int M, typename W>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void dot_avx512(const float* x, const W* row, int64_t in,
+                                                                            float* y, int64_t ldy) {
+  const int64_t wide = in / 64 * 64, full = in / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (in - full)) - 1);
+  __m512 acc[M][4];
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k < wide; k += 64) {
+    for (int c = 0; c < 4; ++c) {
+      const __m512 wv = load16(row + k + 16 * c);
+      for (int m = 0; m < M; ++m) acc[m][c] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * in + k + 16 * c), wv, acc[m][c]);
+    }
+  }
+  for (; k < full; k += 16) {
+    const __m512 wv = load16(row + k);
+    for (int m = 0; m < M; ++m) acc[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * in + k), wv, acc[m][0]);
+  }
+  if (tail) {
+    const __m512 wv = load16(row + full, tail);
+    for (int m = 0; m < M; ++m)
+      acc[m][1] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, x + m * in + full), wv, acc[m][1]);
+  }
+  for (int m = 0; m < M; ++m) {
+    const __m512 s = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
+    y[m * ldy] = _mm512_reduce_add_ps(s);
+  }
+}
+
+// Output rows [n0, n1) for `rows` activation rows: y[m * ldy + n]. Each weight row is read once, from its start to
+// its end (the rows in turn: one sequential stream per thread), for every activation row.
+template <typename W>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void rows_avx512(const float* x, const W* w, int64_t rows,
+                                                                      int64_t in, int64_t n0, int64_t n1, float* y,
+                                                                      int64_t ldy) {
+  for (int64_t n = n0; n < n1; ++n) {
+    int64_t m = 0;
+    for (; m + 2 <= rows; m += 2) dot_avx512<2>(x + m * in, w + n * in, in, y + m * ldy + n, ldy);
+    if (m < rows) dot_avx512<1>(x + m * in, w + n * in, in, y + m * ldy + n, ldy);
+  }
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+__attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* w) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float to_float(float w) { return w; }
+inline float to_float(uint16_t w) {
+  const uint32_t bits = static_cast<uint32_t>(w) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// The sum of the eight float lanes of v.
+__attribute__((target("avx2,fma"))) inline float sum_lanes(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+template <int M, typename W>
+__attribute__((target("avx2,fma"))) inline void dot_avx2(const float* x, const W* row, int64_t in, float* y,
+                                                         int64_t ldy) {
+  const int64_t wide = in / 32 * 32, full = in / 8 * 8;
+  __m256 acc[M][4];
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < 4; ++c) acc[m][c] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k < wide; k += 32) {
+    for (int c = 0; c < 4; ++c) {
+      const __m256 wv = load8(row + k + 8 * c);
+      for (int m = 0; m < M; ++m) acc[m][c] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * in + k + 8 * c), wv, acc[m][c]);
+    }
+  }
+  for (; k < full; k += 8) {
+    const __m256 wv = load8(row + k);
+    for (int m = 0; m < M; ++m) acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * in + k), wv, acc[m][0]);
+  }
+  for (int m = 0; m < M; ++m) {
+    float total = sum_lanes(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3])));
+    for (int64_t j = full; j < in; ++j) total = std::fma(x[m * in + j], to_float(row[j]), total);
+    y[m * ldy] = total;
+  }
+}
+
+template <typename W>
+__attribute__((target("avx2,fma"))) void rows_avx2(const float* x, const W* w, int64_t rows, int64_t in, int64_t n0,
+                                                   int64_t n1, float* y, int64_t ldy) {
+  for (int64_t n = n0; n < n1; ++n) {
+    int64_t m = 0;
+    for (; m + 2 <= rows; m += 2) dot_avx2<2>(x + m * in, w + n * in, in, y + m * ldy + n, ldy);
+    if (m < rows) dot_avx2<1>(x + m * in, w + n * in, in, y + m * ldy + n, ldy);
+  }
+}
+
+template <typename W>
+void rows_scalar(const float* x, const W* w, int64_t rows, int64_t in, int64_t n0, int64_t n1, float* y,
+                 int64_t ldy) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < rows; ++m) {
+      float total = 0.0f;
+      for (int64_t k = 0; k < in; ++k) total = std::fma(x[m * in + k], to_float(w[n * in + k]), total);
+      y[m * ldy + n] = total;
+    }
+}
+
+template <typename W>
+void product(const float* x, const W* w, int64_t rows, int64_t in, int64_t out, float* y) {
+  const auto pass = chosen_isa() == kAvx512 ? rows_avx512<W> : chosen_isa() == kAvx2 ? rows_avx2<W> : rows_scalar<W>;
+  at::parallel_for(0, (out + 15) / 16, 1, [&](int64_t begin, int64_t end) {  // in units of 16 rows
+    pass(x, w, rows, in, begin * 16, std::min(out, end * 16), y, out);
+  });
+}
+
+at::Tensor float_mv(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "minigpt::float_mv: x must be float32 [rows, in]");
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16) &&
+                  weight.size(1) == x.size(1),
+              "minigpt::float_mv: weight must be float32 or bfloat16 [out, ", x.size(1), "]");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "minigpt::float_mv: CPU tensors only");
+  at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  const int64_t rows = xc.size(0), in = xc.size(1), out = wc.size(0);
+  at::Tensor y = at::empty({rows, out}, xc.options());
+  if (rows == 0 || out == 0) return y;
+  if (in == 0) return y.zero_();
+  if (wc.scalar_type() == at::kFloat)
+    product(xc.data_ptr<float>(), wc.data_ptr<float>(), rows, in, out, y.data_ptr<float>());
+  else
+    product(xc.data_ptr<float>(), reinterpret_cast<const uint16_t*>(wc.data_ptr<c10::BFloat16>()), rows, in, out,
+            y.data_ptr<float>());
+  return y;
+}
+
+std::string float_mv_isa() { return minigpt_ops::kFloatIsaNames[chosen_isa()]; }
+
+minigpt_ops::Registration registration;
+
+void register_float_op() {
+  minigpt_ops::register_once(registration, "minigpt::float_mv", [](torch::Library& def, bool define,
+                                                                   torch::Library& impl) {
+    if (define) def.def("float_mv(Tensor x, Tensor weight) -> Tensor");
+    def.def("float_mv_isa() -> str", TORCH_FN(float_mv_isa));
+    impl.impl("float_mv", TORCH_FN(float_mv));
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+// The C++ kernel of minigpt::float_mv for this process (a Python process, or the runner before it loads a package
+// that calls the op). Returns 0, or -1 with the reason in `err`.
+int mg_float_install(char* err, int errlen) { return minigpt_ops::report(register_float_op, err, errlen); }
+
+}  // extern "C"

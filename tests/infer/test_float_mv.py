@@ -1,0 +1,103 @@
+"""MiniGPT's float matrix-vector kernel (``minigpt/infer/float_kernel.cpp``, the op ``minigpt::float_mv``), which
+multiplies a decode step's few float32 rows by float32 or bfloat16 weights inside an AOTInductor step package.
+
+The kernel picks its path once per process, so each path is checked in a child process capped by
+``MINIGPT_FLOAT_MV_ISA``: every product lies within float32 rounding of the float64 product of the same numbers
+(bfloat16 weights converted exactly), for tails of every length and one to five rows (two per pass). In this
+process: its errors for bad arguments, which steps use it, and that the step through it computes the step through
+the generated loops."""
+import os
+import shutil
+from functools import partial
+
+import pytest
+import torch
+from conftest import float_kernel_paths, random_model
+
+from minigpt.infer.fastpath import FastPath, aoti
+from minigpt.infer.fastpath.float_mv import FLOAT_MV_ENV, float_mv_kernel
+from minigpt.infer.fastpath.step import static_step
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
+                                reason="no C++ compiler for the runner library")
+
+torch.set_num_threads(1)
+
+PRODUCT = """
+import torch
+from minigpt.infer.fastpath.float_mv import float_mv_kernel
+print(float_mv_kernel())
+gen = torch.Generator().manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16):
+    for out, n_in in [(1, 1), (3, 7), (17, 16), (33, 96), (130, 583), (64, 1536)]:
+        w = torch.randn(out, n_in, generator=gen).to(dtype)
+        for rows in range(1, 6):
+            x = torch.randn(rows, n_in, generator=gen) * 10
+            x[:, -1] *= 100  # an outlier in the last input, which a tail reads
+            got = torch.ops.minigpt.float_mv(x, w)
+            exact = x.double() @ w.double().T
+            # float32 rounding of a sum of n products (Higham: n 2^-24 |x| . |w|)
+            bound = n_in * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T) * 1.001 + 1e-30
+            err = (got.double() - exact).abs()
+            print(dtype, out, n_in, rows, got.dtype == torch.float32 and bool((err <= bound).all()),
+                  bool((err > 0).any() or n_in < 16))
+"""
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "scalar"])
+def test_every_path_is_within_float32_rounding_of_the_exact_product(isa):
+    """Each path (this CPU's best, AVX2, plain C++) within float32 rounding of the float64 product, and not the
+    float64 product itself (a kernel that computed something else exactly would fail the first, one in float64
+    the second)."""
+    best, (got_isa, *lines) = float_kernel_paths(PRODUCT, "MINIGPT_FLOAT_MV_ISA", isa)
+    assert got_isa == (best if isa == "native" else isa)
+    assert len(lines) == 60 and all(line.endswith("True True") for line in lines), lines
+
+
+def test_bad_arguments_are_refused_with_the_expected_shapes():
+    if float_mv_kernel() is None:
+        pytest.skip("the runner library does not build here")
+    with pytest.raises(RuntimeError, match=r"weight must be float32 or bfloat16 \[out, 20\]"):
+        torch.ops.minigpt.float_mv(torch.zeros(1, 20), torch.zeros(8, 16))
+    with pytest.raises(RuntimeError, match=r"weight must be float32 or bfloat16"):
+        torch.ops.minigpt.float_mv(torch.zeros(1, 16), torch.zeros(8, 16, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        torch.ops.minigpt.float_mv(torch.zeros(1, 16, dtype=torch.float64), torch.zeros(8, 16))
+    assert torch.ops.minigpt.float_mv(torch.zeros(0, 16), torch.zeros(8, 16)).shape == (0, 8)
+    assert torch.equal(torch.ops.minigpt.float_mv(torch.ones(2, 0), torch.zeros(3, 0)), torch.zeros(2, 3))
+
+
+SHAPE = dict(vocab_size=61, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, multiple_of=16)
+make = partial(random_model, SHAPE, noise=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_package_step_goes_through_the_kernel_and_computes_the_loops_step(dtype, monkeypatch):
+    """An AOTInductor step of float weights on a CPU calls the op once per projection (the exported program holds
+    it) and gives the logits and cache columns of the same step through the generated loops' reductions, to float32
+    rounding. torch.compile's steps and $MINIGPT_FLOAT_MV=0 keep the loops."""
+    if float_mv_kernel() in (None, "scalar"):
+        pytest.skip("the kernel is not vectorised here")
+    model = make().to(dtype)
+    through = FastPath(model, compile=True, aoti=True)
+    assert through.geometry.float_mv
+    assert not FastPath(make().to(dtype), compile=True, aoti=False).geometry.float_mv
+    monkeypatch.setenv(FLOAT_MV_ENV, "0")
+    loops = FastPath(make().to(dtype), compile=True, aoti=True)
+    assert not loops.geometry.float_mv
+    cache = through.new_kv_cache(1, 64)
+    for t in cache.k + cache.v:
+        t.normal_(generator=torch.Generator().manual_seed(t.numel()))
+    args = (torch.tensor([[7]]), torch.tensor([3]), torch.tensor([0]), list(cache.k), list(cache.v))
+    with torch.inference_mode():
+        want = static_step(loops, *args)
+        got = static_step(through, *args)
+        exported = aoti.export_step(through, args)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(got[1] + got[2], want[1] + want[2]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    calls = [n for n in exported.graph.nodes if n.target is torch.ops.minigpt.float_mv.default]
+    assert len(calls) == 4 * SHAPE["n_layers"] + 1  # every layer's four projections and the head
+    with torch.inference_mode():
+        module_out = exported.module()(*(args[:3] + ([t.clone() for t in args[3]], [t.clone() for t in args[4]])))
+    torch.testing.assert_close(module_out[0], got[0], atol=1e-6, rtol=1e-6)
