@@ -11,11 +11,13 @@
 //           four chains of 16 (AVX-512) or 8 (AVX2) lanes, summed at the row's end. Only the order of the sum
 //           differs from the compiled step's generated loops (minigpt/infer/fastpath/kernels.py, decode_linear).
 //
-// Why: with the products in this kernel, an AOTInductor step package's C++ source holds no matrix-vector loops,
-// and the package compiles in about half the time (SmolLM-135M's shape, 2-core Zen 5 EPYC: fp32 99.6 -> 58.4 s,
-// bf16 117.8 -> 62.2 s). Decode runs as fast as through the generated loops, within that host's noise: both read
-// the weights at the rate of a plain read matrix by matrix (38-43 GB/s in the step when a standalone read of the
-// 120 fp32 layer matrices gave 39-43), which is what a token costs (docs/benchmarks.md, session 59).
+// Why: with a bfloat16 model's products in this kernel, its AOTInductor step package's C++ source holds no
+// matrix-vector loops, and the package compiles in about half the time (SmolLM-135M's shape, 2-core Zen 5 EPYC:
+// 117.8 -> 62.2 s), decoding as fast as through the loops within that host's noise. Both read the weights at the
+// rate of a plain read matrix by matrix (38-43 GB/s for the fp32 step when a standalone read of its 120 layer
+// matrices gave 39-43). A float32 package keeps the loops: through this kernel it decoded 0.92-0.98x, the op's
+// calls going through AOTInductor's proxy executor (minigpt/infer/fastpath/float_mv.py; docs/benchmarks.md,
+// session 59).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>

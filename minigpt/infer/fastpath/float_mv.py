@@ -44,21 +44,22 @@ def float_mv_kernel() -> Optional[str]:
 
 
 def float_mv_wanted(projections) -> bool:
-    """Whether an AOTInductor step sends its float32 and bfloat16 projections (any of ``projections``, Proj
-    objects, with such a weight) through ``minigpt::float_mv``: the C++ kernel is vectorised here
-    (:func:`float_mv_kernel`; building it the first time takes ~25 s) and ``$MINIGPT_FLOAT_MV`` is not ``0``.
-    Else the step writes them as per-row reductions that Inductor turns into loops
-    (:func:`~minigpt.infer.fastpath.kernels.decode_linear`).
+    """Whether an AOTInductor step sends its float projections through ``minigpt::float_mv``: some of
+    ``projections`` (Proj objects) have bfloat16 weights, the C++ kernel is vectorised here (:func:`float_mv_kernel`;
+    building it the first time takes ~25 s) and ``$MINIGPT_FLOAT_MV`` is not ``0``. Else the step writes its float
+    products as per-row reductions that Inductor turns into loops (:func:`~minigpt.infer.fastpath.kernels.decode_linear`).
 
-    Why: the package's C++ source then holds no matrix-vector loops and compiles in about half the time.
-    SmolLM-135M's shape on a 2-core Zen 5 EPYC (family 26 model 2), a fresh compile cache, the first greedy step
-    package: fp32 99.6 -> 58.4 s, bf16 117.8 -> 62.2 s. Decode is unchanged within this host's noise: paired
-    medians of 9 alternating 128-token runs in one process against the loops, fp32 0.86-1.11x over 7 runs
-    (median 0.98), bf16 0.99-1.13x over 6 (median 1.06), the same tokens (docs/benchmarks.md, session 59). Not for
-    ``torch.compile``'s steps: their Python wrapper calls the op 120 times a token at 135M, fp32 decode 0.92x."""
+    Why bfloat16: its package's C++ source then holds no matrix-vector loops and compiles in about half the time
+    (SmolLM-135M's shape on a 2-core Zen 5 EPYC, family 26 model 2, a fresh compile cache, the first greedy step
+    package: 117.8 -> 62.2 s), and decode is unchanged within that host's noise: paired medians of 9 alternating
+    128-token runs in one process against the loops 0.99-1.13x over 6 runs (median 1.06), `minigpt generate
+    --compile` 1.24 against 1.25 s (medians of 5 alternating calls), the same tokens. Not float32: its package
+    compiled in 58.4 s instead of 99.6, but decoded at 0.86-1.11x in process (median 0.98 over 7 runs) and the
+    CLI call took 2.44 against 2.22 s (the op's calls go through AOTInductor's proxy executor, 120 a token at
+    135M, which the float32 loops, already at the host's bandwidth, do not pay). Not ``torch.compile``'s steps:
+    their Python wrapper makes each call a round trip, fp32 decode 0.92x (docs/benchmarks.md, session 59)."""
     if os.environ.get(FLOAT_MV_ENV, "1").strip() == "0":
         return False
-    if not any(p.scale is None and p.weight is not None and p.weight.dtype in (torch.float32, torch.bfloat16)
-               for p in projections):
+    if not any(p.scale is None and p.weight is not None and p.weight.dtype == torch.bfloat16 for p in projections):
         return False
     return float_mv_kernel() not in (None, "scalar")

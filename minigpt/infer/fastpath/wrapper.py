@@ -180,8 +180,8 @@ class FastPath(nn.Module):
         self.cos = m.rope_cos.to(ACT_DTYPE)
         self.sin_signed = signed_sine(m.rope_sin).to(ACT_DTYPE)
         self.scale = 1.0 / math.sqrt(c.head_dim)
-        # float products of an AOTInductor step on a CPU through MiniGPT's C++ kernel (float_mv: why, and why not
-        # torch.compile's steps)
+        # A bf16 AOTInductor step on a CPU: its float products through MiniGPT's C++ kernel (float_mv says why, and
+        # why not float32 or torch.compile's steps)
         floats = self.compiled and self.aoti and self.device.type == "cpu" and float_mv_wanted(flat)
         self.geometry = Geometry(c.n_heads, c.n_kv_heads, c.head_dim, self.scale, c.ffn, self.woq_group_size,
                                  layers_w8a8, self.head.w8a8 is not None, floats)
