@@ -37,7 +37,8 @@ kernels per token:
     through FBGEMM's int8 x int8 product on activations rounded to 8 bits per row (:func:`~minigpt.infer.fastpath.library.w8a8_linear`, eager
     decode steps too), and on AVX-512 CPUs int4 weights through ATen's weight-only kernels on bf16 activations
     (:func:`~minigpt.infer.fastpath.library.aten_woq_layout`); ``woq_kernel="words"`` or
-    ``MINIGPT_WOQ_KERNEL=words`` keeps the loops.
+    ``MINIGPT_WOQ_KERNEL=words`` keeps the loops. A bf16 AOTInductor package's float products go through MiniGPT's
+    C++ kernel instead (:mod:`~minigpt.infer.fastpath.float_mv`: the same speed, half the compile time).
   - each layer is one ``torch.compiler.nested_compile_region`` (:func:`~minigpt.infer.fastpath.step.step_layer`), compiled once and reused by
     every layer, and the per-layer caches are separate graph inputs, so compile time does not grow with depth
     (`small`: ~10 s cold, against ~85 s for the unrolled graph). The graph only reads the cache: it returns each

@@ -4,8 +4,9 @@ converted to float32 exactly and the products summed in float32.
 
 Two kernels compute it: the reference below (PyTorch, CompositeExplicitAutograd: it always runs) and MiniGPT's C++
 one (``minigpt/infer/float_kernel.cpp``, in the native runner library, registered for CPU by
-:func:`float_mv_kernel`); they differ in the order of the float32 sum only. A compiled decode step calls the op
-once per float projection (:func:`~minigpt.infer.fastpath.kernels.decode_linear`) where the C++ kernel runs.
+:func:`float_mv_kernel`); they differ in the order of the float32 sum only. A bf16 model's AOTInductor step package
+calls the op once per projection (:func:`~minigpt.infer.fastpath.kernels.decode_linear`) where the C++ kernel runs
+(:func:`float_mv_wanted`).
 """
 from __future__ import annotations
 
