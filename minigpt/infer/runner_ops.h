@@ -1,6 +1,6 @@
 // Registering a CPU kernel of the runner library for one of MiniGPT's ops, once per process, and reporting a
-// failure through a C interface: shared by q4_kernel.cpp, woq8_kernel.cpp and float_kernel.cpp; and the float kernels' choice of instruction set (part of the runner library's digest,
-// minigpt/infer/launcher.py).
+// failure through a C interface, shared by q4_kernel.cpp, woq8_kernel.cpp and float_kernel.cpp; and the float
+// kernels' choice of instruction set (part of the runner library's digest, minigpt/infer/launcher.py).
 #pragma once
 
 #include <torch/library.h>
