@@ -49,6 +49,14 @@ ERROR_BYTES = 2048
 # share one compiled graph (a `torch.compile` step is compiled per [batch, cache length]); the native runner's
 # caches are sized the same way, so that it computes what FastPath's compiled step computes, to the bit.
 CACHE_BUCKET = 64
+# The environment switches read while a step package is built, which change what it computes or calls: the int8 /
+# int4 kernel choice, the greedy head screen, the float products through minigpt::float_mv, Inductor's vector
+# width, and the C++ kernels' instruction-set caps (the runner reads those again when it runs, but whether a kernel
+# is called at all was decided from them when the package was built). A bundle runs one such package, so they are
+# part of its key: else a later call with another setting would rerun the old package.
+STEP_SWITCHES = ("MINIGPT_WOQ_KERNEL", "MINIGPT_HEAD_SCREEN", "MINIGPT_FLOAT_MV", "MINIGPT_STEP_SIMDLEN",
+                 "MINIGPT_FLOAT_MV_ISA", "MINIGPT_WOQ8_ISA", "MINIGPT_Q4_ISA", "MINIGPT_W8A8_ISA",
+                 "MINIGPT_W8A8_KERNEL")
 
 
 class NativeError(RuntimeError):
@@ -179,14 +187,19 @@ def _library(library: Path) -> ctypes.CDLL:
 def launch_key(source: Path, dtype: str, quantize: Optional[str], threads: Optional[int]) -> Optional[str]:
     """The bundle name (hex) of ``minigpt generate SOURCE --compile --dtype DTYPE [--quantize Q] [--threads N]``:
     the model directory (resolved path; name, size and modification time of each file in it), the options, the
-    torch version, MiniGPT's sources and the CPU. None when ``source`` is not a model directory (``config.json``).
-    A rewritten checkpoint or another torch, source tree or CPU gives another key, hence no stale bundle."""
+    torch version, MiniGPT's sources, the CPU and the :data:`STEP_SWITCHES` set in the environment. None when
+    ``source`` is not a model directory (``config.json``). A rewritten checkpoint or another torch, source tree,
+    CPU or switch gives another key, hence no stale bundle."""
     source = Path(source)
     if not (source / "config.json").is_file():
         return None
     files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in source.iterdir() if p.is_file())
     parts = [FORMAT, str(source.resolve()), files, dtype, quantize, threads, torch_version(), sys.version_info[:2],
              source_digest(), runner_digest(), isa()]
+    # Appended only when one is set: the keys of existing bundles stay valid.
+    switches = [(name, os.environ[name]) for name in STEP_SWITCHES if os.environ.get(name)]
+    if switches:
+        parts.append(switches)
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:40]
 
 

@@ -56,6 +56,39 @@ def test_the_launch_key_follows_the_model_files_and_the_options(tiny_data, tmp_p
     assert launcher.launch_key(tmp_path, "float32", None, 2) is None  # not a model directory
 
 
+def test_the_launch_key_follows_the_switches_that_shape_the_step(tiny_data, tmp_path, monkeypatch):
+    """A bundle made with $MINIGPT_FLOAT_MV on must not serve a call with it off (nor any other step switch):
+    each switch, once set, gives its own key, and each value another."""
+    model = _model_dir(tiny_data, tmp_path / "m")
+    for name in launcher.STEP_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    plain = launcher.launch_key(model, "bfloat16", None, 2)
+    keys = {plain}
+    for name in launcher.STEP_SWITCHES:
+        for value in ("0", "1"):
+            monkeypatch.setenv(name, value)
+            keys.add(launcher.launch_key(model, "bfloat16", None, 2))
+        monkeypatch.delenv(name)
+    assert len(keys) == 1 + 2 * len(launcher.STEP_SWITCHES)
+    assert launcher.launch_key(model, "bfloat16", None, 2) == plain
+
+
+def test_every_switch_the_step_builder_reads_is_in_the_launch_key():
+    """The fast path's Python modules read their switches while a package is built, and its kernels' caps decide
+    which kernels it calls: each such `MINIGPT_*` name is one of launcher.STEP_SWITCHES, so that a new switch
+    cannot be added without the bundles following it."""
+    import re
+    infer = ROOT / "minigpt" / "infer"
+    read = set()
+    for path in [*(infer / "fastpath").glob("*.py"), *infer.glob("*.cpp"), *infer.glob("*.h")]:
+        read |= set(re.findall(r"MINIGPT_[A-Z0-9_]+", path.read_text()))
+    # Not the step's: where the compile cache lives and how large it may grow; the prefill GEMM (the runner feeds
+    # the prompt through the one-token step).
+    elsewhere = {"MINIGPT_COMPILE_CACHE", "MINIGPT_COMPILED_STEPS_GB", "MINIGPT_FP32_GEMM"}
+    assert read - elsewhere <= set(launcher.STEP_SWITCHES), sorted(read - elsewhere - set(launcher.STEP_SWITCHES))
+    assert {"MINIGPT_FLOAT_MV", "MINIGPT_HEAD_SCREEN", "MINIGPT_WOQ_KERNEL"} <= read
+
+
 def _parse(*argv) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))
