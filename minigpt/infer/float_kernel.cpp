@@ -15,9 +15,10 @@
 // matrix-vector loops, and the package compiles in about half the time (SmolLM-135M's shape, 2-core Zen 5 EPYC:
 // 117.8 -> 62.2 s), decoding as fast as through the loops within that host's noise. Both read the weights at the
 // rate of a plain read matrix by matrix (38-43 GB/s for the fp32 step when a standalone read of its 120 layer
-// matrices gave 39-43). A float32 package keeps the loops: through this kernel it decoded 0.92-0.98x, the op's
-// calls going through AOTInductor's proxy executor (minigpt/infer/fastpath/float_mv.py; docs/benchmarks.md,
-// session 59).
+// matrices gave 39-43). Used by default on AMD CPUs only: on a Sapphire Rapids the loops, which read 8 blocks of
+// rows at once, decoded 1.35x faster than one stream here, 1.07x faster than 4-8 streams (chosen_streams). A float32
+// package keeps the loops: through this kernel it decoded 0.92-0.98x on the Zen 5 (minigpt/infer/fastpath/
+// float_mv.py; docs/benchmarks.md, sessions 59-60).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -44,6 +45,20 @@ using minigpt_ops::kScalar;
 minigpt_ops::FloatIsa chosen_isa() {
   static const minigpt_ops::FloatIsa isa = minigpt_ops::float_isa("MINIGPT_FLOAT_MV_ISA");
   return isa;
+}
+
+// The weight streams a thread reads at once in a batch-1 product: $MINIGPT_FLOAT_MV_STREAMS, 1 (the default), 4, 8,
+// 12 or 16; another value is 1. Read once. Why a switch: on a 2-core Sapphire Rapids (family 6 model 207) a bf16
+// step package decoded 45 tokens/s through this kernel with one stream, 66-67 with 4 or 8, against 70-72 through
+// Inductor's loops, which read 8 blocks at once (kernels.py); on the Zen 5 EPYC where this kernel is used by default
+// (float_mv.py) only one stream has been measured (docs/benchmarks.md, session 60).
+int64_t chosen_streams() {
+  static const int64_t streams = [] {
+    const char* v = std::getenv("MINIGPT_FLOAT_MV_STREAMS");
+    const int64_t s = v == nullptr ? 1 : std::atoi(v);
+    return (s >= 4 && s <= 16 && s % 4 == 0) ? s : int64_t{1};
+  }();
+  return streams;
 }
 
 // 16 weights as float32 lanes: a float32 load, or bfloat16 widened to 32 bits and shifted into the top half.
@@ -92,12 +107,66 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void dot_avx512(cons
   }
 }
 
+// Four weight rows times one activation row: *y[0..3]. The same four chains per weight row as dot_avx512<1> (the
+// same sums, to the bit), the four rows read side by side.
+template <typename W>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void dot4_avx512(const float* x, const W* const* row,
+                                                                             int64_t in, float* const* y) {
+  const int64_t wide = in / 64 * 64, full = in / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (in - full)) - 1);
+  __m512 acc[4][4];
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k < wide; k += 64) {
+    for (int c = 0; c < 4; ++c) {
+      const __m512 xv = _mm512_loadu_ps(x + k + 16 * c);
+      for (int r = 0; r < 4; ++r) acc[r][c] = _mm512_fmadd_ps(xv, load16(row[r] + k + 16 * c), acc[r][c]);
+    }
+  }
+  for (; k < full; k += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + k);
+    for (int r = 0; r < 4; ++r) acc[r][0] = _mm512_fmadd_ps(xv, load16(row[r] + k), acc[r][0]);
+  }
+  if (tail) {
+    const __m512 xv = _mm512_maskz_loadu_ps(tail, x + full);
+    for (int r = 0; r < 4; ++r) acc[r][1] = _mm512_fmadd_ps(xv, load16(row[r] + full, tail), acc[r][1]);
+  }
+  for (int r = 0; r < 4; ++r) {
+    const __m512 s = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
+    *y[r] = _mm512_reduce_add_ps(s);
+  }
+}
+
 // Output rows [n0, n1) for `rows` activation rows: y[m * ldy + n]. Each weight row is read once, from its start to
-// its end (the rows in turn: one sequential stream per thread), for every activation row.
+// its end, for every activation row. With $MINIGPT_FLOAT_MV_STREAMS = S > 1, one activation row (a batch-1 step)
+// splits the range into S blocks and reads row i of every block before row i + 1 (S streams at once, four rows
+// per pass); the sums are the same.
 template <typename W>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void rows_avx512(const float* x, const W* w, int64_t rows,
                                                                       int64_t in, int64_t n0, int64_t n1, float* y,
                                                                       int64_t ldy) {
+  const int64_t streams = chosen_streams(), len = (n1 - n0 + streams - 1) / streams;
+  if (rows == 1 && streams > 1) {
+    for (int64_t i = 0; i < len; ++i) {
+      int64_t b = 0;
+      if (n0 + (streams - 1) * len + i < n1)  // row i of every block exists: four blocks at a time
+        for (; b + 4 <= streams; b += 4) {
+          const W* four[4];
+          float* out[4];
+          for (int j = 0; j < 4; ++j) {
+            four[j] = w + (n0 + (b + j) * len + i) * in;
+            out[j] = y + n0 + (b + j) * len + i;
+          }
+          dot4_avx512(x, four, in, out);
+        }
+      for (; b < streams; ++b) {
+        const int64_t n = n0 + b * len + i;
+        if (n < n1) dot_avx512<1>(x, w + n * in, in, y + n, ldy);
+      }
+    }
+    return;
+  }
   for (int64_t n = n0; n < n1; ++n) {
     int64_t m = 0;
     for (; m + 2 <= rows; m += 2) dot_avx512<2>(x + m * in, w + n * in, in, y + m * ldy + n, ldy);

@@ -8,13 +8,16 @@ process: its errors for bad arguments, which steps use it, and that the step thr
 the generated loops."""
 import os
 import shutil
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import float_kernel_paths, random_model
+from conftest import CLI_ENV, float_kernel_paths, random_model
 
-from minigpt.infer.fastpath import FastPath, aoti
+from minigpt.infer.fastpath import FastPath, aoti, float_mv
 from minigpt.infer.fastpath.float_mv import FLOAT_MV_ENV, float_mv_kernel
 from minigpt.infer.fastpath.step import static_step
 
@@ -54,6 +57,40 @@ def test_every_path_is_within_float32_rounding_of_the_exact_product(isa):
     assert len(lines) == 60 and all(line.endswith("True True") for line in lines), lines
 
 
+STREAMS = """
+import hashlib, torch
+from minigpt.infer.fastpath.float_mv import float_mv_kernel
+torch.set_num_threads(2)
+print(float_mv_kernel())
+gen, digest = torch.Generator().manual_seed(0), hashlib.sha256()
+for dtype in (torch.float32, torch.bfloat16):
+    for out, n_in in [(1, 16), (5, 7), (31, 64), (64, 576), (130, 583), (577, 96), (1536, 576)]:
+        w = torch.randn(out, n_in, generator=gen).to(dtype)
+        for rows in (1, 2):
+            x = torch.randn(rows, n_in, generator=gen)
+            got = torch.ops.minigpt.float_mv(x, w)
+            assert torch.allclose(got, x @ w.float().T, rtol=1e-4, atol=1e-4)
+            digest.update(got.numpy().tobytes())
+print(digest.hexdigest())
+"""
+
+
+def test_reading_several_weight_streams_gives_the_same_sums():
+    """$MINIGPT_FLOAT_MV_STREAMS (4, 8, 12 or 16 weight streams per thread in a batch-1 product; 1, the default,
+    and any other value: one) changes the order in which rows are read, not their sums: the same bits for every
+    shape (rows not a multiple of the streams, tails, two threads), checked on this CPU's best path."""
+    if float_mv_kernel() in (None, "scalar"):
+        pytest.skip("the kernel's vectorised path does not run here")
+    digests = {}
+    for streams in ("1", "4", "8", "12", "16", "3"):
+        env = {**CLI_ENV, "MINIGPT_FLOAT_MV_STREAMS": streams}
+        out = subprocess.run([sys.executable, "-c", STREAMS], capture_output=True, text=True, env=env,
+                             cwd=Path(__file__).resolve().parents[1])
+        assert out.returncode == 0, out.stderr[-2000:]
+        digests[streams] = out.stdout.split()[-1]
+    assert len(set(digests.values())) == 1, digests
+
+
 def test_bad_arguments_are_refused_with_the_expected_shapes():
     if float_mv_kernel() is None:
         pytest.skip("the runner library does not build here")
@@ -77,6 +114,7 @@ def test_a_bf16_package_step_goes_through_the_kernel_and_computes_the_loops_step
     float32 rounding. Float32 weights, torch.compile's steps and $MINIGPT_FLOAT_MV=0 keep the loops."""
     if float_mv_kernel() in (None, "scalar"):
         pytest.skip("the kernel is not vectorised here")
+    monkeypatch.setenv(FLOAT_MV_ENV, "1")  # on any CPU (by default AMD's only: the next test)
     through = FastPath(make().to(torch.bfloat16), compile=True, aoti=True)
     assert through.geometry.float_mv
     assert not FastPath(make(), compile=True, aoti=True).geometry.float_mv
@@ -100,3 +138,19 @@ def test_a_bf16_package_step_goes_through_the_kernel_and_computes_the_loops_step
     with torch.inference_mode():
         module_out = exported.module()(*(args[:3] + ([t.clone() for t in args[3]], [t.clone() for t in args[4]])))
     torch.testing.assert_close(module_out[0], got[0], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("vendor, setting, used", [
+    ("AuthenticAMD", None, True), ("GenuineIntel", None, False), ("GenuineIntel", "1", True),
+    ("AuthenticAMD", "0", False), ("GenuineIntel", "yes", False)])
+def test_the_kernel_is_used_by_default_on_amd_cpus_only(monkeypatch, vendor, setting, used):
+    """Where a bf16 package goes through the kernel: AMD CPUs by default (measured neutral there, slower than the
+    loops on a Sapphire Rapids: float_mv_wanted says why), any CPU with $MINIGPT_FLOAT_MV=1, none with 0."""
+    if float_mv_kernel() in (None, "scalar"):
+        pytest.skip("the kernel is not vectorised here")
+    monkeypatch.setattr(float_mv, "cpu_vendor", lambda: vendor)
+    if setting is None:
+        monkeypatch.delenv(FLOAT_MV_ENV, raising=False)
+    else:
+        monkeypatch.setenv(FLOAT_MV_ENV, setting)
+    assert FastPath(make().to(torch.bfloat16), compile=True, aoti=True).geometry.float_mv is used

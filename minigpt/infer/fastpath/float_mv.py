@@ -17,6 +17,7 @@ import torch
 
 from minigpt.infer.fastpath.library import runner_kernel
 from minigpt.infer.launcher import install_float_kernel
+from minigpt.runtime import cpu_vendor
 
 FLOAT_MV_ENV = "MINIGPT_FLOAT_MV"
 
@@ -47,19 +48,25 @@ def float_mv_kernel() -> Optional[str]:
 def float_mv_wanted(projections) -> bool:
     """Whether an AOTInductor step sends its float projections through ``minigpt::float_mv``: some of
     ``projections`` (Proj objects) have bfloat16 weights, the C++ kernel is vectorised here (:func:`float_mv_kernel`;
-    building it the first time takes ~25 s) and ``$MINIGPT_FLOAT_MV`` is not ``0``. Else the step writes its float
-    products as per-row reductions that Inductor turns into loops (:func:`~minigpt.infer.fastpath.kernels.decode_linear`).
+    building it the first time takes ~25 s), and the CPU is AMD's or ``$MINIGPT_FLOAT_MV`` is ``1``
+    (``$MINIGPT_FLOAT_MV=0``: never). Else the step writes its float products as per-row reductions that Inductor
+    turns into loops (:func:`~minigpt.infer.fastpath.kernels.decode_linear`).
 
-    Why bfloat16: its package's C++ source then holds no matrix-vector loops and compiles in about half the time
-    (SmolLM-135M's shape on a 2-core Zen 5 EPYC, family 26 model 2, a fresh compile cache, the first greedy step
-    package: 117.8 -> 62.2 s), and decode is unchanged within that host's noise: paired medians of 9 alternating
-    128-token runs in one process against the loops 0.99-1.13x over 6 runs (median 1.06), `minigpt generate
-    --compile` 1.24 against 1.25 s (medians of 5 alternating calls), the same tokens. Not float32: its package
-    compiled in 58.4 s instead of 99.6, but decoded at 0.86-1.11x in process (median 0.98 over 7 runs) and the
-    CLI call took 2.44 against 2.22 s (the op's calls go through AOTInductor's proxy executor, 120 a token at
-    135M, which the float32 loops, already at the host's bandwidth, do not pay). Not ``torch.compile``'s steps:
-    their Python wrapper makes each call a round trip, fp32 decode 0.92x (docs/benchmarks.md, session 59)."""
-    if os.environ.get(FLOAT_MV_ENV, "1").strip() == "0":
+    Why bfloat16 on AMD: its package's C++ source then holds no matrix-vector loops and compiles in about half the
+    time (SmolLM-135M's shape on a 2-core Zen 5 EPYC, family 26 model 2, a fresh compile cache, the first greedy
+    step package: 117.8 -> 62.2 s), and decode is unchanged within that host's noise: paired medians of 9
+    alternating 128-token runs in one process against the loops 0.99-1.13x over 6 runs (median 1.06), `minigpt
+    generate --compile` 1.24 against 1.25 s (medians of 5 alternating calls), the same tokens. Not on Intel: on a
+    2-core Sapphire Rapids (family 6 model 207) the same package decoded 0.74x of the loops (46.4 against 64.2
+    tokens/s, paired medians of 9; 0.59x with the kernel capped to AVX2), the loops reading 8 blocks of rows at once
+    where the kernel reads one row after another (``$MINIGPT_FLOAT_MV_STREAMS`` in ``float_kernel.cpp`` gives it 4
+    to 16 streams: 0.93-0.94x there). Not float32: on the Zen 5 its package compiled in 58.4 s instead of 99.6, but
+    decoded at 0.86-1.11x in process (median 0.98 over 7 runs) and the CLI call took 2.44 against 2.22 s; the proxy
+    executor through which AOTInductor calls the op is not the cause (0.45 us a call more than a C shim on the
+    Sapphire Rapids, about 55 us of a 12 ms token). Not ``torch.compile``'s steps: their Python wrapper makes each
+    call a round trip, fp32 decode 0.92x (docs/benchmarks.md, sessions 59-60)."""
+    choice = os.environ.get(FLOAT_MV_ENV, "").strip()
+    if choice == "0" or (choice != "1" and cpu_vendor() != "AuthenticAMD"):
         return False
     if not any(p.scale is None and p.weight is not None and p.weight.dtype == torch.bfloat16 for p in projections):
         return False
