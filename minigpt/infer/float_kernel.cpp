@@ -75,67 +75,55 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const 
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// One weight row times M activation rows: y[m * ldy]. Four chains of fused multiply-adds, so that the adds'
-// latency does not bound the loop.
-template <int M, typename W>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void dot_avx512(const float* x, const W* row, int64_t in,
-                                                                            float* y, int64_t ldy) {
+// R weight rows times M activation rows: out[r][m * ldy]. Four chains of fused multiply-adds per (row, activation
+// row), so that the adds' latency does not bound the loop; each sum is the same for any M and R.
+template <int M, int R, typename W>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void dot_avx512(const float* x, const W* const* row,
+                                                                            int64_t in, float* const* out,
+                                                                            int64_t ldy) {
   const int64_t wide = in / 64 * 64, full = in / 16 * 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (in - full)) - 1);
-  __m512 acc[M][4];
-  for (int m = 0; m < M; ++m)
-    for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_setzero_ps();
+  __m512 acc[R][M][4];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m)
+      for (int c = 0; c < 4; ++c) acc[r][m][c] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k < wide; k += 64) {
     for (int c = 0; c < 4; ++c) {
-      const __m512 wv = load16(row + k + 16 * c);
-      for (int m = 0; m < M; ++m) acc[m][c] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * in + k + 16 * c), wv, acc[m][c]);
+      __m512 xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_ps(x + m * in + k + 16 * c);
+      for (int r = 0; r < R; ++r) {
+        const __m512 wv = load16(row[r] + k + 16 * c);
+        for (int m = 0; m < M; ++m) acc[r][m][c] = _mm512_fmadd_ps(xv[m], wv, acc[r][m][c]);
+      }
     }
   }
   for (; k < full; k += 16) {
-    const __m512 wv = load16(row + k);
-    for (int m = 0; m < M; ++m) acc[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * in + k), wv, acc[m][0]);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = load16(row[r] + k);
+      for (int m = 0; m < M; ++m) acc[r][m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * in + k), wv, acc[r][m][0]);
+    }
   }
   if (tail) {
-    const __m512 wv = load16(row + full, tail);
-    for (int m = 0; m < M; ++m)
-      acc[m][1] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, x + m * in + full), wv, acc[m][1]);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = load16(row[r] + full, tail);
+      for (int m = 0; m < M; ++m)
+        acc[r][m][1] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, x + m * in + full), wv, acc[r][m][1]);
+    }
   }
-  for (int m = 0; m < M; ++m) {
-    const __m512 s = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
-    y[m * ldy] = _mm512_reduce_add_ps(s);
-  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      const __m512 s = _mm512_add_ps(_mm512_add_ps(acc[r][m][0], acc[r][m][1]),
+                                     _mm512_add_ps(acc[r][m][2], acc[r][m][3]));
+      out[r][m * ldy] = _mm512_reduce_add_ps(s);
+    }
 }
 
-// Four weight rows times one activation row: *y[0..3]. The same four chains per weight row as dot_avx512<1> (the
-// same sums, to the bit), the four rows read side by side.
-template <typename W>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void dot4_avx512(const float* x, const W* const* row,
-                                                                             int64_t in, float* const* y) {
-  const int64_t wide = in / 64 * 64, full = in / 16 * 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (in - full)) - 1);
-  __m512 acc[4][4];
-  for (int r = 0; r < 4; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k < wide; k += 64) {
-    for (int c = 0; c < 4; ++c) {
-      const __m512 xv = _mm512_loadu_ps(x + k + 16 * c);
-      for (int r = 0; r < 4; ++r) acc[r][c] = _mm512_fmadd_ps(xv, load16(row[r] + k + 16 * c), acc[r][c]);
-    }
-  }
-  for (; k < full; k += 16) {
-    const __m512 xv = _mm512_loadu_ps(x + k);
-    for (int r = 0; r < 4; ++r) acc[r][0] = _mm512_fmadd_ps(xv, load16(row[r] + k), acc[r][0]);
-  }
-  if (tail) {
-    const __m512 xv = _mm512_maskz_loadu_ps(tail, x + full);
-    for (int r = 0; r < 4; ++r) acc[r][1] = _mm512_fmadd_ps(xv, load16(row[r] + full, tail), acc[r][1]);
-  }
-  for (int r = 0; r < 4; ++r) {
-    const __m512 s = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
-    *y[r] = _mm512_reduce_add_ps(s);
-  }
+// One weight row times M activation rows: y[m * ldy].
+template <int M, typename W>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void dot1_avx512(const float* x, const W* row,
+                                                                             int64_t in, float* y, int64_t ldy) {
+  dot_avx512<M, 1>(x, &row, in, &y, ldy);
 }
 
 // Output rows [n0, n1) for `rows` activation rows: y[m * ldy + n]. Each weight row is read once, from its start to
@@ -158,19 +146,19 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void rows_avx512(const floa
             four[j] = w + (n0 + (b + j) * len + i) * in;
             out[j] = y + n0 + (b + j) * len + i;
           }
-          dot4_avx512(x, four, in, out);
+          dot_avx512<1, 4>(x, four, in, out, ldy);
         }
       for (; b < streams; ++b) {
         const int64_t n = n0 + b * len + i;
-        if (n < n1) dot_avx512<1>(x, w + n * in, in, y + n, ldy);
+        if (n < n1) dot1_avx512<1>(x, w + n * in, in, y + n, ldy);
       }
     }
     return;
   }
   for (int64_t n = n0; n < n1; ++n) {
     int64_t m = 0;
-    for (; m + 2 <= rows; m += 2) dot_avx512<2>(x + m * in, w + n * in, in, y + m * ldy + n, ldy);
-    if (m < rows) dot_avx512<1>(x + m * in, w + n * in, in, y + m * ldy + n, ldy);
+    for (; m + 2 <= rows; m += 2) dot1_avx512<2>(x + m * in, w + n * in, in, y + m * ldy + n, ldy);
+    if (m < rows) dot1_avx512<1>(x + m * in, w + n * in, in, y + m * ldy + n, ldy);
   }
 }
 
