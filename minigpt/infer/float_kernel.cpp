@@ -16,7 +16,7 @@
 // 117.8 -> 62.2 s), decoding as fast as through the loops within that host's noise. Both read the weights at the
 // rate of a plain read matrix by matrix (38-43 GB/s for the fp32 step when a standalone read of its 120 layer
 // matrices gave 39-43). Used by default on AMD CPUs only: on a Sapphire Rapids the loops, which read 8 blocks of
-// rows at once, decoded 1.35x faster than one stream here, 1.07x faster than 4-8 streams (chosen_streams). A float32
+// rows at once, decoded 1.35x faster than this kernel, which reads one row after another (rows_avx512). A float32
 // package keeps the loops: through this kernel it decoded 0.92-0.98x on the Zen 5 (minigpt/infer/fastpath/
 // float_mv.py; docs/benchmarks.md, sessions 59-60).
 #include <ATen/ATen.h>
@@ -47,20 +47,6 @@ minigpt_ops::FloatIsa chosen_isa() {
   return isa;
 }
 
-// The weight streams a thread reads at once in a batch-1 product: $MINIGPT_FLOAT_MV_STREAMS, 1 (the default), 4, 8,
-// 12 or 16; another value is 1. Read once. Why a switch: on a 2-core Sapphire Rapids (family 6 model 207) a bf16
-// step package decoded 45 tokens/s through this kernel with one stream, 66-67 with 4 or 8, against 70-72 through
-// Inductor's loops, which read 8 blocks at once (kernels.py); on the Zen 5 EPYC where this kernel is used by default
-// (float_mv.py) only one stream has been measured (docs/benchmarks.md, session 60).
-int64_t chosen_streams() {
-  static const int64_t streams = [] {
-    const char* v = std::getenv("MINIGPT_FLOAT_MV_STREAMS");
-    const int64_t s = v == nullptr ? 1 : std::atoi(v);
-    return (s >= 4 && s <= 16 && s % 4 == 0) ? s : int64_t{1};
-  }();
-  return streams;
-}
-
 // 16 weights as float32 lanes: a float32 load, or bfloat16 widened to 32 bits and shifted into the top half.
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const uint16_t* w) {
@@ -75,90 +61,50 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const 
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// R weight rows times M activation rows: out[r][m * ldy]. Four chains of fused multiply-adds per (row, activation
-// row), so that the adds' latency does not bound the loop; each sum is the same for any M and R.
-template <int M, int R, typename W>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void dot_avx512(const float* x, const W* const* row,
-                                                                            int64_t in, float* const* out,
-                                                                            int64_t ldy) {
+// One weight row times M activation rows: y[m * ldy]. Four chains of fused multiply-adds per activation row, so
+// that the adds' latency does not bound the loop; each sum is the same for any M.
+template <int M, typename W>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void dot_avx512(const float* x, const W* row, int64_t in,
+                                                                            float* y, int64_t ldy) {
   const int64_t wide = in / 64 * 64, full = in / 16 * 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (in - full)) - 1);
-  __m512 acc[R][M][4];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m)
-      for (int c = 0; c < 4; ++c) acc[r][m][c] = _mm512_setzero_ps();
+  __m512 acc[M][4];
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k < wide; k += 64) {
     for (int c = 0; c < 4; ++c) {
-      __m512 xv[M];
-      for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_ps(x + m * in + k + 16 * c);
-      for (int r = 0; r < R; ++r) {
-        const __m512 wv = load16(row[r] + k + 16 * c);
-        for (int m = 0; m < M; ++m) acc[r][m][c] = _mm512_fmadd_ps(xv[m], wv, acc[r][m][c]);
-      }
+      const __m512 wv = load16(row + k + 16 * c);
+      for (int m = 0; m < M; ++m) acc[m][c] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * in + k + 16 * c), wv, acc[m][c]);
     }
   }
   for (; k < full; k += 16) {
-    for (int r = 0; r < R; ++r) {
-      const __m512 wv = load16(row[r] + k);
-      for (int m = 0; m < M; ++m) acc[r][m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * in + k), wv, acc[r][m][0]);
-    }
+    const __m512 wv = load16(row + k);
+    for (int m = 0; m < M; ++m) acc[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * in + k), wv, acc[m][0]);
   }
   if (tail) {
-    for (int r = 0; r < R; ++r) {
-      const __m512 wv = load16(row[r] + full, tail);
-      for (int m = 0; m < M; ++m)
-        acc[r][m][1] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, x + m * in + full), wv, acc[r][m][1]);
-    }
+    const __m512 wv = load16(row + full, tail);
+    for (int m = 0; m < M; ++m)
+      acc[m][1] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, x + m * in + full), wv, acc[m][1]);
   }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) {
-      const __m512 s = _mm512_add_ps(_mm512_add_ps(acc[r][m][0], acc[r][m][1]),
-                                     _mm512_add_ps(acc[r][m][2], acc[r][m][3]));
-      out[r][m * ldy] = _mm512_reduce_add_ps(s);
-    }
-}
-
-// One weight row times M activation rows: y[m * ldy].
-template <int M, typename W>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void dot1_avx512(const float* x, const W* row,
-                                                                             int64_t in, float* y, int64_t ldy) {
-  dot_avx512<M, 1>(x, &row, in, &y, ldy);
+  for (int m = 0; m < M; ++m) {
+    const __m512 s = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
+    y[m * ldy] = _mm512_reduce_add_ps(s);
+  }
 }
 
 // Output rows [n0, n1) for `rows` activation rows: y[m * ldy + n]. Each weight row is read once, from its start to
-// its end, for every activation row. With $MINIGPT_FLOAT_MV_STREAMS = S > 1, one activation row (a batch-1 step)
-// splits the range into S blocks and reads row i of every block before row i + 1 (S streams at once, four rows
-// per pass); the sums are the same.
+// its end, for every activation row. (Reading 4-16 distant blocks of a thread's rows at once, as Inductor's loops
+// do, was measured and dropped: 0.93-0.94x of the loops instead of 0.74x on a Sapphire Rapids, still behind them;
+// 0.68-0.75x of one stream at bf16 and 0.64x at fp32 on the Zen 5 EPYC, docs/benchmarks.md, session 61.)
 template <typename W>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void rows_avx512(const float* x, const W* w, int64_t rows,
                                                                       int64_t in, int64_t n0, int64_t n1, float* y,
                                                                       int64_t ldy) {
-  const int64_t streams = chosen_streams(), len = (n1 - n0 + streams - 1) / streams;
-  if (rows == 1 && streams > 1) {
-    for (int64_t i = 0; i < len; ++i) {
-      int64_t b = 0;
-      if (n0 + (streams - 1) * len + i < n1)  // row i of every block exists: four blocks at a time
-        for (; b + 4 <= streams; b += 4) {
-          const W* four[4];
-          float* out[4];
-          for (int j = 0; j < 4; ++j) {
-            four[j] = w + (n0 + (b + j) * len + i) * in;
-            out[j] = y + n0 + (b + j) * len + i;
-          }
-          dot_avx512<1, 4>(x, four, in, out, ldy);
-        }
-      for (; b < streams; ++b) {
-        const int64_t n = n0 + b * len + i;
-        if (n < n1) dot1_avx512<1>(x, w + n * in, in, y + n, ldy);
-      }
-    }
-    return;
-  }
   for (int64_t n = n0; n < n1; ++n) {
     int64_t m = 0;
-    for (; m + 2 <= rows; m += 2) dot1_avx512<2>(x + m * in, w + n * in, in, y + m * ldy + n, ldy);
-    if (m < rows) dot1_avx512<1>(x + m * in, w + n * in, in, y + m * ldy + n, ldy);
+    for (; m + 2 <= rows; m += 2) dot_avx512<2>(x + m * in, w + n * in, in, y + m * ldy + n, ldy);
+    if (m < rows) dot_avx512<1>(x + m * in, w + n * in, in, y + m * ldy + n, ldy);
   }
 }
 

@@ -8,14 +8,11 @@ process: its errors for bad arguments, which steps use it, and that the step thr
 the generated loops."""
 import os
 import shutil
-import subprocess
-import sys
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import CLI_ENV, float_kernel_paths, random_model
+from conftest import float_kernel_paths, random_model
 
 from minigpt.infer.fastpath import FastPath, aoti, float_mv
 from minigpt.infer.fastpath.float_mv import FLOAT_MV_ENV, float_mv_kernel
@@ -55,40 +52,6 @@ def test_every_path_is_within_float32_rounding_of_the_exact_product(isa):
     best, (got_isa, *lines) = float_kernel_paths(PRODUCT, "MINIGPT_FLOAT_MV_ISA", isa)
     assert got_isa == (best if isa == "native" else isa)
     assert len(lines) == 60 and all(line.endswith("True True") for line in lines), lines
-
-
-STREAMS = """
-import hashlib, torch
-from minigpt.infer.fastpath.float_mv import float_mv_kernel
-torch.set_num_threads(2)
-print(float_mv_kernel())
-gen, digest = torch.Generator().manual_seed(0), hashlib.sha256()
-for dtype in (torch.float32, torch.bfloat16):
-    for out, n_in in [(1, 16), (5, 7), (31, 64), (64, 576), (130, 583), (577, 96), (1536, 576)]:
-        w = torch.randn(out, n_in, generator=gen).to(dtype)
-        for rows in (1, 2):
-            x = torch.randn(rows, n_in, generator=gen)
-            got = torch.ops.minigpt.float_mv(x, w)
-            assert torch.allclose(got, x @ w.float().T, rtol=1e-4, atol=1e-4)
-            digest.update(got.numpy().tobytes())
-print(digest.hexdigest())
-"""
-
-
-def test_reading_several_weight_streams_gives_the_same_sums():
-    """$MINIGPT_FLOAT_MV_STREAMS (4, 8, 12 or 16 weight streams per thread in a batch-1 product; 1, the default,
-    and any other value: one) changes the order in which rows are read, not their sums: the same bits for every
-    shape (rows not a multiple of the streams, tails, two threads), checked on this CPU's best path."""
-    if float_mv_kernel() in (None, "scalar"):
-        pytest.skip("the kernel's vectorised path does not run here")
-    digests = {}
-    for streams in ("1", "4", "8", "12", "16", "3"):
-        env = {**CLI_ENV, "MINIGPT_FLOAT_MV_STREAMS": streams}
-        out = subprocess.run([sys.executable, "-c", STREAMS], capture_output=True, text=True, env=env,
-                             cwd=Path(__file__).resolve().parents[1])
-        assert out.returncode == 0, out.stderr[-2000:]
-        digests[streams] = out.stdout.split()[-1]
-    assert len(set(digests.values())) == 1, digests
 
 
 def test_bad_arguments_are_refused_with_the_expected_shapes():

@@ -59,12 +59,12 @@ def float_mv_wanted(projections) -> bool:
     generate --compile` 1.24 against 1.25 s (medians of 5 alternating calls), the same tokens. Not on Intel: on a
     2-core Sapphire Rapids (family 6 model 207) the same package decoded 0.74x of the loops (46.4 against 64.2
     tokens/s, paired medians of 9; 0.59x with the kernel capped to AVX2), the loops reading 8 blocks of rows at once
-    where the kernel reads one row after another (``$MINIGPT_FLOAT_MV_STREAMS`` in ``float_kernel.cpp`` gives it 4
-    to 16 streams: 0.93-0.94x there). Not float32: on the Zen 5 its package compiled in 58.4 s instead of 99.6, but
-    decoded at 0.86-1.11x in process (median 0.98 over 7 runs) and the CLI call took 2.44 against 2.22 s; the proxy
-    executor through which AOTInductor calls the op is not the cause (0.45 us a call more than a C shim on the
-    Sapphire Rapids, about 55 us of a 12 ms token). Not ``torch.compile``'s steps: their Python wrapper makes each
-    call a round trip, fp32 decode 0.92x (docs/benchmarks.md, sessions 59-60)."""
+    where the kernel reads one row after another (4-16 blocks at once in the kernel: 0.93-0.94x there, and 0.68-0.75x
+    of one stream on the Zen 5, so not kept). Not float32: on the Zen 5 its package compiled in 58.4 s instead of
+    99.6, but decoded at 0.86-1.11x in process (median 0.98 over 7 runs; 0.98 again in session 61) and the CLI call
+    took 2.44 against 2.22 s; the proxy executor through which AOTInductor calls the op is not the cause (0.45 us a
+    call more than a C shim on the Sapphire Rapids, about 55 us of a 12 ms token). Not ``torch.compile``'s steps: their Python wrapper makes each
+    call a round trip, fp32 decode 0.92x (docs/benchmarks.md, sessions 59-61)."""
     choice = os.environ.get(FLOAT_MV_ENV, "").strip()
     if choice == "0" or (choice != "1" and cpu_vendor() != "AuthenticAMD"):
         return False
