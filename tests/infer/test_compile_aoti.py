@@ -14,6 +14,7 @@ from conftest import random_model
 
 from minigpt.infer.fastpath import FastPath, aot, aoti, prepare
 from minigpt.infer.fastpath import step as step_module
+from minigpt.infer.fastpath.float_mv import FLOAT_MV_ENV, float_mv_kernel
 from minigpt.infer.fastpath.library import w8a8_available
 from minigpt.infer.fastpath.step import static_step
 from minigpt.infer.generate import generate_tokens
@@ -166,7 +167,10 @@ def test_a_corrupt_package_is_compiled_again(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_failed_packaging_falls_back_to_the_torch_compile_step_once(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_failed_packaging_falls_back_to_the_torch_compile_step_once(tmp_path, monkeypatch, dtype):
+    """One warning, one try, the eager tokens; a bf16 step meant to call minigpt::float_mv (a package's op) goes
+    back to the generated loops."""
     tries = []
 
     def failing(*a, **k):
@@ -174,9 +178,13 @@ def test_a_failed_packaging_falls_back_to_the_torch_compile_step_once(tmp_path, 
         raise RuntimeError("unsupported here")
 
     monkeypatch.setattr(aot, "export_package", failing)
-    fp = FastPath(make(), compile=True, compile_cache=tmp_path, aoti=True)
+    monkeypatch.setenv(FLOAT_MV_ENV, "1")
+    fp = FastPath(make().to(dtype), compile=True, compile_cache=tmp_path, aoti=True)
+    through_kernel = fp.geometry.float_mv
+    assert through_kernel == (dtype == torch.bfloat16 and float_mv_kernel() not in (None, "scalar"))
     with pytest.warns(RuntimeWarning, match="packaging the compiled step with AOTInductor failed"):
-        assert greedy(fp) == greedy(FastPath(make()))
+        assert greedy(fp) == greedy(FastPath(make().to(dtype)))
+        assert not fp.geometry.float_mv
         with torch.inference_mode():  # another shape: packaging is not tried again
             cache = fp.new_kv_cache(2, 8)
             fp(torch.tensor([PROMPT, PROMPT]), 0, cache)
