@@ -16,6 +16,7 @@ import warnings
 
 from minigpt.cli import analysis, bench, convert, data, evaluate, generate, posttrain, quick, serve, train
 from minigpt.errors import MiniGPTError, describe_os_error
+from minigpt.heap import keep_freed_blocks
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,9 +64,11 @@ def run() -> int:
     Why: at exit CPython's last garbage collections walk every object torch's modules made, 0.4-0.5 s on a 2-core
     Xeon (measured: the same for ``python -c "import torch"``) after a command's work is done; frozen objects
     (``gc.freeze``) are not walked, which took the exit to 0.1-0.2 s. ``atexit`` handlers and reference-counted
-    clean-up still run. Not done in :func:`main`, which tests call in-process."""
+    clean-up still run. Not done in :func:`main`, which tests call in-process. Before any command: glibc keeps the
+    freed blocks of a forward pass for the next (:func:`minigpt.heap.keep_freed_blocks`)."""
     if not os.environ.get("MINIGPT_DEBUG"):
         warnings.showwarning = _show_warning
+    keep_freed_blocks()
     code = _native(sys.argv[1:])
     if code is None:
         code = main()
