@@ -1,5 +1,4 @@
 """minigpt.heap: glibc keeps the blocks a forward pass frees, so that the next pass takes no page faults."""
-import os
 import subprocess
 import sys
 from pathlib import Path
