@@ -17,6 +17,7 @@ from torch import nn
 from minigpt.checkpoint.adapter import load_merged
 from minigpt.checkpoint.native import load_model
 from minigpt.heap import keep_freed_blocks
+from minigpt.infer.fastpath import prefill_attention
 from minigpt.infer.fastpath.aot import cached_step
 from minigpt.infer.fastpath.float_mv import float_mv_wanted
 from minigpt.infer.fastpath.kernels import (
@@ -292,14 +293,15 @@ class FastPath(nn.Module):
         last_layer = len(self.layers) - 1
         for i, lw in enumerate(self.layers):
             h = self._block(i, lw, h, cos, sin, start_pos, kv_cache, mask, key_valid,
-                            last_only=last_only and i == last_layer)
+                            last_only=last_only and i == last_layer, plain_causal=attention_mask is None)
         return self.head(rms_norm(h, self.final_norm, self.final_eps))
 
     def _block(self, i, lw: LayerWeights, h, cos, sin, start_pos, kv_cache, mask, key_valid,
-               last_only: bool = False):
+               last_only: bool = False, plain_causal: bool = False):
         """One block over ``h`` ``[batch, seq_len, dim]``: the model's pre-norm residual block over the fused
         weights. With ``last_only`` it still writes every position's key and value to the cache but returns the
-        last position alone, ``[batch, 1, dim]``."""
+        last position alone, ``[batch, 1, dim]``. ``plain_causal``: no padding (``mask`` is None or the causal mask
+        of the new positions over the cache)."""
         nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
 
         def attention(x):
@@ -322,6 +324,8 @@ class FastPath(nn.Module):
                                                      enable_gqa=self.n_rep > 1).transpose(1, 2)
             elif seq_len == 1:
                 out = self._attend_one(q, keys, values, key_valid)
+            elif plain_causal and prefill_attention.wanted(q, seq_len):  # oneDNN's GEMMs, not oneMKL's AVX2 code
+                out = prefill_attention.causal_attention(q, keys, values, self.scale, start_pos)
             else:
                 out = F.scaled_dot_product_attention(
                     q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None and start_pos == 0,
