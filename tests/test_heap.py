@@ -45,7 +45,7 @@ def _faults(mode: str) -> int:
 @glibc
 def test_a_second_prefill_takes_no_page_faults_once_freed_blocks_are_kept():
     """Kept, the second and third passes reuse the first one's blocks: (almost) no page faults. With glibc's
-    defaults its large activations are often mapped afresh: 3,300-44,000 faults for the two passes over 8 runs on
+    defaults its large activations are often mapped afresh: 3,328-43,968 faults for the two passes over 8 runs on
     a Zen 5 EPYC (glibc 2.36), as a 135M prefill's 88,160 a pass; how many varies with glibc's moving threshold,
     so the default is shown, not asserted."""
     kept = _faults("keep")
