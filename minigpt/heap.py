@@ -14,7 +14,6 @@ is done; a user's own settings (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESH
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 # glibc's <malloc.h>: mallopt parameters.
@@ -41,7 +40,7 @@ def keep_freed_blocks() -> bool:
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     if (_glibc() and not any(os.environ.get(name) for name in USER_SETTINGS) and "glibc.malloc." not in tunables):
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            libc = ctypes.CDLL("libc.so.6")  # glibc's soname (find_library would spawn ldconfig)
             ok = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
                 libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
         except (OSError, AttributeError):
