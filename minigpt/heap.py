@@ -38,13 +38,13 @@ def keep_freed_blocks() -> bool:
         return _DONE[0]
     ok = False
     tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if (_glibc() and not any(os.environ.get(name) for name in USER_SETTINGS) and "glibc.malloc." not in tunables):
+    if _glibc() and not any(os.environ.get(name) for name in USER_SETTINGS) and "glibc.malloc." not in tunables:
         try:
             libc = ctypes.CDLL("libc.so.6")  # glibc's soname (find_library would spawn ldconfig)
             ok = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
                 libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-        except (OSError, AttributeError):
-            ok = False
+        except (OSError, AttributeError):  # no such library or symbol: leave the heap as it is
+            pass
     _DONE.append(ok)
     return ok
 

@@ -20,6 +20,9 @@ import torch
 
 from minigpt.infer.fastpath.kernels import _onednn_linear, fp32_gemm_library
 
+QUERY_BLOCK = 256  # query positions a block (at 512 tokens: 3.85 / 2.89 / 2.57 ms with blocks of 64 / 128 / 256)
+MIN_TOKENS = 256  # new positions from which the fast path takes this kernel (wanted)
+
 
 def wanted(q: torch.Tensor, seq_len: int) -> bool:
     """Whether the fast path computes a plain causal prefill of ``seq_len`` new positions with
@@ -28,9 +31,6 @@ def wanted(q: torch.Tensor, seq_len: int) -> bool:
     ``$MINIGPT_FP32_GEMM=onednn``)."""
     return (seq_len >= MIN_TOKENS and q.dtype == torch.float32 and q.device.type == "cpu"
             and not (torch.is_grad_enabled() and q.requires_grad) and fp32_gemm_library() == "onednn")
-
-QUERY_BLOCK = 256  # query positions a block (at 512 tokens: 3.85 / 2.89 / 2.57 ms with blocks of 64 / 128 / 256)
-MIN_TOKENS = 256  # new positions from which the fast path takes this kernel (wanted)
 
 
 def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
