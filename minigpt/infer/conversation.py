@@ -40,9 +40,7 @@ def grown_cache(model, old, need: int, cap: int, keep: int, batch: int = 1):
     ``keep`` 0: nothing carried over)."""
     new = model.new_kv_cache(batch, grown_length(need, cap))
     if old is not None and keep:
-        for old_k, old_v, k, v in zip(old.k, old.v, new.k, new.v):
-            k[:, :, :keep].copy_(old_k[:, :, :keep])
-            v[:, :, :keep].copy_(old_v[:, :, :keep])
+        new.copy_prefix(old, keep)
     return new
 
 

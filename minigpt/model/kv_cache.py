@@ -45,6 +45,20 @@ class KVCache(nn.Module):
         """Bytes held by the cache (keys and values)."""
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
+    def copy_prefix(self, other: "KVCache", columns: int) -> None:
+        """Copy the first ``columns`` positions of every layer and row of ``other`` (a cache of the same layers,
+        rows, heads and head size, any length) into this cache: how a cache is carried into a longer one. Raises
+        ``ValueError`` when either cache is shorter than ``columns`` or their shapes differ otherwise."""
+        mine, theirs = self.k[0].shape, other.k[0].shape
+        if len(self.k) != len(other.k) or (mine[0], mine[1], mine[3]) != (theirs[0], theirs[1], theirs[3]):
+            raise ValueError(f"cannot copy a cache of {len(other.k)} layers x {tuple(theirs)} into one of "
+                             f"{len(self.k)} layers x {tuple(mine)}")
+        if columns > min(mine[2], theirs[2]):
+            raise ValueError(f"cannot copy {columns} positions between caches of {theirs[2]} and {mine[2]}")
+        for src_k, src_v, dst_k, dst_v in zip(other.k, other.v, self.k, self.v):
+            dst_k[:, :, :columns].copy_(src_k[:, :, :columns])
+            dst_v[:, :, :columns].copy_(src_v[:, :, :columns])
+
     def check_fits(self, end: int) -> None:
         """Raise ``ValueError`` unless positions ``0 .. end - 1`` fit in the cache (``end <= max_seq_len``)."""
         if end > self.max_seq_len:

@@ -226,7 +226,8 @@ def test_one_package_serves_every_cache_length(tmp_path, monkeypatch):
     name: every new bucket compiled another package (76-157 s at 135M)."""
     long_shape = {**SHAPE, "max_seq_len": 256}
     model = partial(random_model, long_shape, noise=0.05)
-    lengths = [SamplingParams(max_tokens=n, temperature=0) for n in (24, 100, 180)]  # caches of 64, 128, 192
+    # Caches of 64; 64 grown to 128; 64, 128, then 192 (generate.grown_cache_for)
+    lengths = [SamplingParams(max_tokens=n, temperature=0) for n in (24, 100, 180)]
     eager = [list(generate_tokens(FastPath(model()), PROMPT, p)) for p in lengths]
     fp = FastPath(model(), compile=True, compile_cache=tmp_path, aoti=True)
     assert [list(generate_tokens(fp, PROMPT, p)) for p in lengths[:2]] == eager[:2]
@@ -240,4 +241,6 @@ def test_one_package_serves_every_cache_length(tmp_path, monkeypatch):
     monkeypatch.setattr(aot, "compile_step", no_compile)
     again = FastPath(model(), compile=True, compile_cache=tmp_path, aoti=True)
     assert list(generate_tokens(again, PROMPT, lengths[2])) == eager[2]
-    assert again.compile_sources == {"aoti-loaded": 1} and len(again.packages) == 1
+    # one package, loaded once, for the three lengths the cache grew through
+    assert again.compile_sources == {"aoti-loaded": 3} and len(again.packages) == 1
+    assert sorted(key[2] for key in again._steps) == [64, 128, 192]

@@ -35,11 +35,11 @@ def test_the_command_line_and_the_launcher_import_without_torch():
     assert out.stdout.strip() == "False"
 
 
-def _model_dir(tiny_data, path: Path) -> Path:
+def _model_dir(tiny_data, path: Path, **overrides) -> Path:
     tok = Tokenizer.from_dir(tiny_data)
     # Noise large enough that greedy tokens vary (at 0.05 this shape repeats one token).
-    save_pretrained(random_model(dict(vocab_size=tok.vocab_size, **TINY_MODEL), seed=1, noise=0.5), path,
-                    tokenizer=tok)
+    save_pretrained(random_model(dict(vocab_size=tok.vocab_size, **TINY_MODEL), seed=1, noise=0.5, **overrides),
+                    path, tokenizer=tok)
     return path
 
 
@@ -185,6 +185,22 @@ def test_the_runner_gives_the_compiled_steps_tokens_and_refuses_a_truncated_bund
     (bundle / "tensors.txt").write_text("minigpt-native 1 2 2 8\nembedding float64 0 1 4 1\n")
     with pytest.raises(launcher.NativeError, match="unknown dtype float64"):
         launcher.NativeRunner(*files, threads=1)
+
+
+@pytest.mark.slow  # compiles a package and builds the runner, ~40 s
+def test_the_runners_cache_grows_past_its_first_bucket_and_keeps_the_steps_tokens(tiny_data, tmp_path, monkeypatch):
+    """The runner starts its cache at 64 columns and grows it (64 -> 128 -> 192 here) as the positions fill it,
+    carrying the held columns over: the tokens of the compiled step over one cache of the whole length."""
+    monkeypatch.setenv(launcher.ENV, str(tmp_path / "cache"))
+    model = _model_dir(tiny_data, tmp_path / "m", max_seq_len=256)
+    fp = load_for_inference(model, quantize="int4", compile=True, aoti=True)
+    prompt = [5, 17, 3, 22, 9]
+    want = _greedy_through_the_step(fp, prompt, 150)  # one cache of 155 columns (192)
+    bundle = write_bundle(fp, model, "float32", "int4", 1, False, [])
+    manifest = launcher.read_manifest(launcher.launch_key(model, "float32", "int4", 1))
+    with launcher.NativeRunner(Path(manifest["runner"]), Path(manifest["package"]), bundle, threads=1) as runner:
+        got = runner.generate(prompt, 150, cache_len=launcher.cache_length(155, manifest["positions"]))
+    assert got == want and len(set(want[64:])) > 5
 
 
 @pytest.mark.slow  # four CLI processes, one compiling a package, ~60 s

@@ -29,6 +29,8 @@ kernels per token:
   - static shapes: the cache (:class:`LayerKVCache`, one tensor per layer) has a fixed length rounded up to
     :data:`CACHE_BUCKET`; the write position and the per-row left padding are tensors; each query attends to every
     column under a mask. One graph serves every step of every generation of a given batch size and cache length.
+    (Because every column costs, a generation through an AOTInductor package, which serves every length, starts
+    its cache at the prompt and grows it: :func:`~minigpt.infer.generate.grown_cache_for`.)
   - matrix-vector products written as reductions (:func:`decode_linear`), which Inductor turns into its own
     vectorised loops: ~2x the bandwidth of MKL's ``gemv`` on one core, bf16 converted in the loop, a float matrix
     split into row blocks that one loop reads side by side, int8 read as float32 words and unpacked with shifts

@@ -208,6 +208,13 @@ class FastPath(nn.Module):
             n += 2 * lw.attn_norm.numel() * lw.attn_norm.element_size()
         return n
 
+    @property
+    def any_cache_length(self) -> bool:
+        """Whether the compiled step is (or will be) an AOTInductor package, which serves every cache length: a
+        cache may start short and grow (:func:`~minigpt.infer.generate.grown_cache_for`)."""
+        return self.compiled and self.aoti and self.compile_cache is not False and self.device.type == "cpu" \
+            and not self._step_fns
+
     def new_kv_cache(self, batch_size: int, max_seq_len: Optional[int] = None,
                      dtype: Optional[torch.dtype] = None) -> KVCache:
         """A zeroed cache; with ``compile`` its length is rounded up to :data:`CACHE_BUCKET` (capped at the model's
@@ -246,15 +253,9 @@ class FastPath(nn.Module):
     def _project(p, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([q(x) for q in p], dim=-1) if isinstance(p, list) else p(x)
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        start_pos: int = 0,
-        kv_cache: Optional[KVCache] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        positions: Optional[torch.Tensor] = None,
-        last_only: bool = False,
-    ) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, kv_cache: Optional[KVCache] = None,
+                attention_mask: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
+                last_only: bool = False) -> torch.Tensor:
         """Logits ``[batch, seq_len, vocab]`` (``[batch, 1, vocab]`` with ``last_only``) of ``tokens`` at
         ``start_pos``; same contract as :meth:`Transformer.forward`. ``positions`` ``[batch, seq_len]`` (int64):
         the RoPE positions when the caller already knows them (they are ``cumsum(attention_mask) - 1`` otherwise).
