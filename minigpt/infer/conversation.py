@@ -9,8 +9,9 @@ The cache is a :class:`~minigpt.infer.fastpath.FastPath`'s own, so a compiled Fa
 step. That step attends to every column of the cache under a mask (135M fp32, 2 threads: 40 tokens/s with a
 256-column cache, 28 with 2,048), so the cache grows with the conversation in powers of two from
 :data:`FIRST_LENGTH` columns rather than taking the whole context at once: never much longer than the
-conversation, and few lengths (a saved AOTInductor step serves any length; a step compiled in-process by
-``torch.compile`` may recompile for a new one).
+conversation, and few lengths (a step compiled in-process by ``torch.compile`` may recompile for a new one).
+Where the step is an AOTInductor package, which serves every length (``FastPath.any_cache_length``), a turn's
+cache holds its prompt and grows with the answer instead (:func:`~minigpt.infer.generate.grown_cache_for`).
 """
 from __future__ import annotations
 
@@ -81,12 +82,15 @@ class Conversation:
             if a != b:
                 break
             reuse += 1
-        self._make_room(need, reuse)
+        # A step that serves every cache length reads every column it is given: the cache then holds the prompt
+        # and grows with the answer (generate.grown_cache_for); other models take the turn's room at once.
+        grow = getattr(self.model, "any_cache_length", False)
+        self._make_room(len(prompt) + 1 if grow else need, reuse, exact=grow)
         self.cached = prompt[:reuse]  # the columns after these are about to change
         answer: list[int] = []
         try:
             for token in generate_tokens(self.model, prompt, params, stop_ids=stop_ids, cache=self.cache,
-                                         cached=reuse):
+                                         cached=reuse, grow_cache=grow):
                 answer.append(token)
                 yield token
         finally:
@@ -95,7 +99,14 @@ class Conversation:
             # prefill may not have finished (Ctrl-C).
             self.cached = prompt + answer[:-1] if answer else prompt[:reuse]
 
-    def _make_room(self, need: int, keep: int) -> None:
-        """A cache of at least ``need`` columns whose first ``keep`` columns are the current cache's."""
+    def _make_room(self, need: int, keep: int, exact: bool = False) -> None:
+        """A cache of at least ``need`` columns whose first ``keep`` columns are the current cache's: of
+        :func:`grown_length` columns, or with ``exact`` of ``need`` (as ``new_kv_cache`` rounds it)."""
         if self.cache is None or self.cache.max_seq_len < need:
-            self.cache = grown_cache(self.model, self.cache, need, self.context, keep)
+            if exact:
+                new = self.model.new_kv_cache(1, need)
+                if self.cache is not None and keep:
+                    new.copy_prefix(self.cache, keep)
+                self.cache = new
+            else:
+                self.cache = grown_cache(self.model, self.cache, need, self.context, keep)

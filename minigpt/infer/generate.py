@@ -40,6 +40,7 @@ def generate_tokens(
     truncate: bool = False,
     cache=None,
     cached: int = 0,
+    grow_cache: bool = False,
 ) -> Iterator[int]:
     """Yield up to ``params.max_tokens`` new token ids for one prompt, sampled with ``params`` (penalties, bias,
     temperature, min-p, top-k, top-p, seed), stopping after any id in ``stop_ids`` or ``params.stop_token_ids``
@@ -62,6 +63,9 @@ def generate_tokens(
     ``max_tokens``; its first ``cached`` columns hold the keys and values of ``prompt[:cached]`` already (a
     conversation's earlier turns, :class:`~minigpt.infer.conversation.Conversation`), so only the rest is
     prefilled. ``cached`` must leave at least one prompt token to run and does not combine with a truncated prompt.
+    ``grow_cache``: that cache may be shorter and grows in place as the positions fill it (up to the prompt plus
+    ``max_tokens``), as a cache made here does where the model's step serves every length
+    (:func:`grown_cache_for`).
     """
     device = model_device(model)
     max_tokens = params.max_tokens
@@ -74,7 +78,7 @@ def generate_tokens(
     total = len(prompt) + max_tokens
     # A step that serves every cache length attends to all the columns it is given, under a mask: a cache that
     # starts at the prompt and grows (grown_cache_for) gives it fewer to read (135M int4, 128 tokens: 1.06x).
-    grow = cache is None and getattr(model, "any_cache_length", False)
+    grow = (cache is None or grow_cache) and getattr(model, "any_cache_length", False)
     if cache is None:
         cache = model.new_kv_cache(1, min(total, len(prompt) + 1) if grow else total)
     x = torch.tensor([prompt[cached:]], dtype=torch.long, device=device)
@@ -98,7 +102,7 @@ def generate_tokens(
         yield t
         if i + 1 < max_tokens:
             if grow and pos + 1 > cache.max_seq_len:
-                cache = grown_cache_for(model, cache, pos, total)
+                cache.adopt(grown_cache_for(model, cache, pos, total))  # in place: a caller's cache grows too
             if argmax_only:
                 token = model.decode_next(token.view(1, 1), pos, cache)
             else:

@@ -59,6 +59,11 @@ class KVCache(nn.Module):
             dst_k[:, :, :columns].copy_(src_k[:, :, :columns])
             dst_v[:, :, :columns].copy_(src_v[:, :, :columns])
 
+    def adopt(self, other: "KVCache") -> None:
+        """Take over ``other``'s buffers and length (``other`` a longer copy of this cache, see
+        :meth:`copy_prefix`): whoever holds this cache holds the longer one."""
+        self.k, self.v, self.max_seq_len = other.k, other.v, other.max_seq_len
+
     def check_fits(self, end: int) -> None:
         """Raise ``ValueError`` unless positions ``0 .. end - 1`` fit in the cache (``end <= max_seq_len``)."""
         if end > self.max_seq_len:

@@ -49,6 +49,27 @@ def test_turns_answer_as_from_an_empty_cache_and_prefill_only_the_new_tokens(fas
     assert lengths == [FIRST_LENGTH, FIRST_LENGTH, 2 * FIRST_LENGTH, 2 * FIRST_LENGTH, 2 * FIRST_LENGTH]
 
 
+def test_where_the_step_serves_every_length_a_turns_cache_holds_its_prompt_and_grows_with_the_answer(monkeypatch):
+    """The eager fast path told that its step serves every length (as a compiled package's does): the same
+    answers as from an empty cache, the held columns carried over, and lengths that follow the conversation (the
+    prompt plus one, then 64 more at a time) rather than powers of two from FIRST_LENGTH."""
+    model = FastPath(random_model(SHAPE, noise=0.5))
+    monkeypatch.setattr(FastPath, "any_cache_length", property(lambda self: True))
+    conversation = Conversation(model)
+    prompt, lengths, seen = [1, 2, 3, 4, 5], [], prefilled_lengths(model, monkeypatch)
+    for _ in range(3):
+        answer = list(conversation.generate(prompt, SamplingParams(max_tokens=70, temperature=0)))
+        lengths.append(conversation.cache.max_seq_len)
+        monkeypatch.setattr(FastPath, "any_cache_length", property(lambda self: False))
+        assert answer == list(generate_tokens(model, prompt, SamplingParams(max_tokens=70, temperature=0)))
+        monkeypatch.setattr(FastPath, "any_cache_length", property(lambda self: True))
+        prompt = prompt + answer + [(i * 7) % 61 for i in range(30)]
+    assert seen[0::2] == [5, 31, 31]  # only each new message and the answer's last token were prefilled
+    # Each turn: its prompt + 1 columns (5 + 1; 105 + 1, the 74 held ones copied; 205 + 1), 64 more, then the
+    # prompt + 70 new tokens the turn may take (the eager path does not round lengths up)
+    assert lengths == [75, 175, 275]
+
+
 def test_a_stopped_answer_and_an_interrupted_turn_keep_only_finished_columns():
     model = FastPath(random_model(SHAPE, noise=0.5))
     conversation = Conversation(model)
