@@ -20,14 +20,18 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from minigpt.infer.generate import generate_tokens, model_device
+from minigpt.infer.kv_cache import fitted_length
 from minigpt.infer.request import free_memory, kv_cache_bytes, plan_context
 from minigpt.infer.sampling import InvalidRequest, SamplingParams
 
 FIRST_LENGTH = 256  # the first cache length (columns); later ones double, up to the context
 
 
-def grown_length(need: int, cap: int) -> int:
-    """The cache length for ``need`` columns: :data:`FIRST_LENGTH` doubled until it holds them, at most ``cap``."""
+def grown_length(need: int, cap: int, fitted: bool = False) -> int:
+    """The cache length for ``need`` columns: :data:`FIRST_LENGTH` doubled until it holds them, or with ``fitted``
+    (a step that serves every length) :func:`~minigpt.infer.kv_cache.fitted_length`; at most ``cap``."""
+    if fitted:
+        return min(fitted_length(need), cap)
     length = FIRST_LENGTH
     while length < need:
         length *= 2
@@ -35,11 +39,11 @@ def grown_length(need: int, cap: int) -> int:
 
 
 @torch.inference_mode()
-def grown_cache(model, old, need: int, cap: int, keep: int, batch: int = 1):
-    """A new cache of ``model`` (``new_kv_cache``) of ``batch`` rows and :func:`grown_length` ``(need, cap)``
-    columns, whose first ``keep`` columns of every row are copied from the cache ``old`` of as many rows (None or
-    ``keep`` 0: nothing carried over)."""
-    new = model.new_kv_cache(batch, grown_length(need, cap))
+def grown_cache(model, old, need: int, cap: int, keep: int, batch: int = 1, fitted: bool = False):
+    """A new cache of ``model`` (``new_kv_cache``) of ``batch`` rows and :func:`grown_length` ``(need, cap,
+    fitted)`` columns, whose first ``keep`` columns of every row are copied from the cache ``old`` of as many rows
+    (None or ``keep`` 0: nothing carried over)."""
+    new = model.new_kv_cache(batch, grown_length(need, cap, fitted))
     if old is not None and keep:
         new.copy_prefix(old, keep)
     return new
@@ -85,7 +89,7 @@ class Conversation:
         # A step that serves every cache length reads every column it is given: the cache then holds the prompt
         # and grows with the answer (generate.grown_cache_for); other models take the turn's room at once.
         grow = getattr(self.model, "any_cache_length", False)
-        self._make_room(len(prompt) + 1 if grow else need, reuse, exact=grow)
+        self._make_room(len(prompt) + 1 if grow else need, reuse, fitted=grow)
         self.cached = prompt[:reuse]  # the columns after these are about to change
         answer: list[int] = []
         try:
@@ -99,14 +103,8 @@ class Conversation:
             # prefill may not have finished (Ctrl-C).
             self.cached = prompt + answer[:-1] if answer else prompt[:reuse]
 
-    def _make_room(self, need: int, keep: int, exact: bool = False) -> None:
-        """A cache of at least ``need`` columns whose first ``keep`` columns are the current cache's: of
-        :func:`grown_length` columns, or with ``exact`` of ``need`` (as ``new_kv_cache`` rounds it)."""
+    def _make_room(self, need: int, keep: int, fitted: bool = False) -> None:
+        """A cache of at least ``need`` (:func:`grown_length`) columns whose first ``keep`` columns are the current
+        cache's."""
         if self.cache is None or self.cache.max_seq_len < need:
-            if exact:
-                new = self.model.new_kv_cache(1, need)
-                if self.cache is not None and keep:
-                    new.copy_prefix(self.cache, keep)
-                self.cache = new
-            else:
-                self.cache = grown_cache(self.model, self.cache, need, self.context, keep)
+            self.cache = grown_cache(self.model, self.cache, need, self.context, keep, fitted=fitted)

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from minigpt.errors import MiniGPTError
-from minigpt.infer.launcher import CACHE_BUCKET
+from minigpt.infer.kv_cache import fitted_length
 from minigpt.infer.sampling import (
     InvalidRequest,
     SamplingParams,
@@ -113,20 +113,15 @@ def generate_tokens(
 
 def grown_cache_for(model, cache, pos: int, total: int):
     """A longer cache of batch 1 for the step at column ``pos`` of a generation of ``total`` columns, holding
-    ``cache``'s first ``pos`` columns: ``CACHE_BUCKET`` (64) or a quarter more columns, whichever is more (so a long
-    generation copies its cache a logarithmic number of times), at least ``pos + 1``, at most ``total``; all of
-    ``total`` once the model's step no longer serves every length (``any_cache_length``: a fallback step compiled
-    for one length would compile again for each).
+    ``cache``'s first ``pos`` columns: :func:`~minigpt.infer.kv_cache.fitted_length` ``(pos + 1)`` columns (64 or
+    a quarter more), at most ``total``; all of ``total`` once the model's step no longer serves every length
+    (``any_cache_length``: a fallback step compiled for one length would compile again for each).
 
     Why: the compiled step's attention reads every column of its cache (scores, softmax and values over the
     masked tail too): SmolLM-135M int4 on 2 Zen 4 cores, 3.4 ms a step with 64 columns against 3.9 with 192 and
     4.8 with 512 (docs/benchmarks.md). Growing as the positions fill it halves the columns a 128-token answer
     reads; the copies cost one pass over the used columns per growth."""
-    length = cache.max_seq_len
-    if getattr(model, "any_cache_length", False):
-        length = min(total, max(pos + 1, length + max(CACHE_BUCKET, length // 4)))
-    else:
-        length = total
+    length = min(total, fitted_length(pos + 1)) if getattr(model, "any_cache_length", False) else total
     new = model.new_kv_cache(1, length)
     new.copy_prefix(cache, pos)
     return new

@@ -9,7 +9,17 @@ from typing import Optional
 
 import torch
 
+from minigpt.infer.launcher import CACHE_BUCKET
 from minigpt.model.kv_cache import KVCache
+
+
+def fitted_length(need: int) -> int:
+    """The cache length for ``need`` columns where the step serves every length (an AOTInductor package):
+    ``need`` rounded up to :data:`~minigpt.infer.launcher.CACHE_BUCKET` (64) columns, or to a quarter of the
+    largest power of two not above it where that is coarser. At most 64 columns or 25 % more than asked, so the step
+    reads few masked columns, and few lengths, so a growing cache is copied a logarithmic number of times."""
+    step = max(CACHE_BUCKET, (1 << (max(need, 1).bit_length() - 1)) // 4)
+    return -(-need // step) * step
 
 
 class LayerKVCache(KVCache):

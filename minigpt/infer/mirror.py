@@ -9,7 +9,9 @@ context and their rows sit at their own columns (:class:`~minigpt.infer.kv_cache
 at column ``P - L_b`` (its ``pad``), ``P`` the longest row's length, so every row writes its next column at ``P``
 and its RoPE positions stay ``0 .. L_b``. The batch is rounded up to the next compiled size (1, 2, 4, ...,
 ``max_rows``: one compiled step per size); a spare row is all padding and its output ignored. The mirror is sized
-as :class:`~minigpt.infer.conversation.Conversation` sizes its cache (256 columns, doubled as the rows grow).
+as :class:`~minigpt.infer.conversation.Conversation` sizes its cache: for an AOTInductor package, which serves
+every length, to the rows (:func:`~minigpt.infer.kv_cache.fitted_length`, grown as they grow), else 256 columns,
+doubled as the rows grow.
 More running requests decode in the engine's batched eager forward.
 
 The slots stay the record. The columns decoded in the mirror are copied back (:meth:`MirrorDecode.sync`) before
@@ -18,8 +20,8 @@ freed slot filled by the last one (the engine's ``_decode`` and ``_free``; a new
 own slot). After a sync the mirror's claim is dropped; the next step copies the slots in again (one copy per row
 and layer), so a request joining or leaving costs one copy of the running rows' caches.
 
-Memory: one mirror, at most ``max_rows`` rows of the longest running request's length (rounded up to a power of
-two times 256), beside the engine's slots.
+Memory: one mirror, at most ``max_rows`` rows of the longest running request's length (rounded up as above),
+beside the engine's slots.
 """
 from __future__ import annotations
 
@@ -92,7 +94,7 @@ class MirrorDecode:
         before = self.model.compile_seconds
         self.sync()
         for rows in self.sizes:
-            cache = self.model.new_kv_cache(rows, grown_length(1, self.context))
+            cache = self.model.new_kv_cache(rows, grown_length(1, self.context, self.model.any_cache_length))
             token = torch.zeros(rows, 1, dtype=torch.long, device=self.model.device)
             pad = torch.zeros(rows, dtype=torch.long, device=self.model.device)
             self.model.decode_step(token, 0, cache, pad=pad)
@@ -160,9 +162,10 @@ class MirrorDecode:
     def _make_room(self, rows: int, need: int, keep: int) -> None:
         """A mirror of ``rows`` rows and :func:`grown_length` columns for ``need``; the first ``keep`` columns of
         every row carried over."""
-        asked = (rows, grown_length(need, self.context))
+        fitted = self.model.any_cache_length  # a package: sized to the rows (fitted_length), else powers of two
+        asked = (rows, grown_length(need, self.context, fitted))
         if self.cache is None or keep or self._asked != asked:
-            self.cache = grown_cache(self.model, self.cache, need, self.context, keep, batch=rows)
+            self.cache = grown_cache(self.model, self.cache, need, self.context, keep, batch=rows, fitted=fitted)
             self._asked = asked
 
     def _step(self, tokens: torch.Tensor, pos: int, greedy: bool) -> torch.Tensor:

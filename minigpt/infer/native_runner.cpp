@@ -430,9 +430,11 @@ long mg_generate(void* handle, const int64_t* prompt, long n_prompt, long max_ne
     long produced = 0;
     // The prompt goes through the one-token step too, a token at a time: column p holds position p.
     for (long p = 0; p < n_prompt + max_new - 1; ++p) {
-      if (p + 1 > length) {  // a bucket or a quarter more columns, the first p carried over
-        length = std::max(p + 1, length + std::max(kGrowColumns, length / 4));
-        length = std::min(cache_len, (length + kGrowColumns - 1) / kGrowColumns * kGrowColumns);
+      if (p + 1 > length) {  // kv_cache.fitted_length(p + 1) columns, the first p carried over
+        long power = 1;
+        while (power * 2 <= p + 1) power *= 2;
+        long step = std::max(kGrowColumns, power / 4);
+        length = std::min(cache_len, (p + step) / step * step);
         for (auto* layers : {&k, &v})
           for (auto& t : *layers) {
             at::Tensor longer = at::zeros({1, r->n_kv_heads, length, r->head_dim}, f32);

@@ -9,6 +9,7 @@ from conftest import random_model
 
 from minigpt.infer.fastpath import FastPath, LayerKVCache
 from minigpt.infer.generate import generate_tokens, grown_cache_for
+from minigpt.infer.kv_cache import fitted_length
 from minigpt.infer.sampling import SamplingParams
 from minigpt.model.kv_cache import KVCache
 
@@ -30,6 +31,13 @@ def test_copy_prefix_carries_the_first_columns_of_every_layer_and_row_and_nothin
         kind(3, 1, 2, 20, 4).copy_prefix(short, 2)
 
 
+def test_fitted_lengths_round_up_to_64_columns_or_a_quarter_of_the_power_of_two_below():
+    assert [fitted_length(n) for n in (1, 64, 65, 256, 257, 511, 513, 1024, 1025, 3000)] == \
+        [64, 64, 128, 256, 320, 512, 640, 1024, 1280, 3072]
+    for n in range(1, 5000, 7):
+        assert n <= fitted_length(n) <= max(n + 63, n * 1.25)
+
+
 def test_a_step_that_serves_every_length_grows_by_a_bucket_or_a_quarter_and_one_that_does_not_takes_all(tmp_path):
     fp = FastPath(random_model(SHAPE, noise=0.5), compile=True, aoti=True, compile_cache=tmp_path)
     assert fp.any_cache_length  # nothing compiled yet: the package it is about to build serves every length
@@ -41,8 +49,8 @@ def test_a_step_that_serves_every_length_grows_by_a_bucket_or_a_quarter_and_one_
         pos = cache.max_seq_len
         cache = grown_cache_for(fp, cache, pos, 900)
         lengths.append(cache.max_seq_len)
-    # 64 each time, then a quarter, rounded up to the bucket (64); at most the 900 asked, rounded up likewise
-    assert lengths == [128, 192, 256, 320, 448, 576, 768, 960]
+    # 64 columns at a time up to 512, then 128 (a quarter of 512); at most the 900 asked, rounded up to the bucket
+    assert lengths == [128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 960]
     for before, after in zip(first, cache.k + cache.v):
         assert torch.equal(after[:, :, :64], before) and not after[:, :, 64:].any()
     assert not FastPath(random_model(SHAPE), compile=True, aoti=True, compile_cache=False).any_cache_length
@@ -70,7 +78,7 @@ def test_a_grown_cache_gives_the_tokens_of_the_whole_cache(params, monkeypatch):
     monkeypatch.setattr(FastPath, "any_cache_length", property(lambda self: True))
     monkeypatch.setattr(FastPath, "new_kv_cache", spy)
     assert list(generate_tokens(fp, prompt, params)) == whole and len(set(whole)) > 5
-    assert lengths == [6, 70, 134, 155]  # prompt + 1; then 64 more each time (eager: not rounded), capped
+    assert lengths == [6, 64, 128, 155]  # prompt + 1 (eager: not rounded up), then fitted_length, capped
     lengths.clear()
     given = real(fp, 1, 155)  # a caller's cache is used as it is
     assert list(generate_tokens(fp, prompt, params, cache=given)) == whole and lengths == []

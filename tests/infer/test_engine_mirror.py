@@ -77,6 +77,19 @@ def test_a_lone_request_decodes_in_the_mirror_which_grows_past_256_columns():
     assert engine.mirror.cache.max_seq_len == 512  # 256 columns, doubled when the request passed them
 
 
+def test_over_a_step_that_serves_every_length_the_mirror_is_fitted_to_the_rows(monkeypatch):
+    """As for an AOTInductor package: 256 columns for a 250-token request, then 320 (not 512) past them."""
+    monkeypatch.setattr(FastPath, "any_cache_length", property(lambda self: True))
+    model = tiny_model()
+    engine, steps = mirror_engine(model, max_batch_size=2)
+    p = prompt(250)
+    req = engine.submit(p, greedy(20))
+    engine.run_until_idle()
+    assert tokens_of(req) == list(generate_tokens(model, p, greedy(20)))
+    assert steps == list(range(250, 269))
+    assert engine.mirror.cache.max_seq_len == 320
+
+
 def test_the_slot_is_synced_before_others_join_and_before_the_prefix_cache_remembers():
     """A decodes alone, B joins (batched steps read A's slot), B leaves (A alone again: the mirror is refilled from
     the slot), A ends (the prefix cache keeps its columns, decoded in the mirror), then C, whose prompt is A's
