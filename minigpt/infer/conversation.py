@@ -8,7 +8,7 @@ tokens after the longest common prefix are prefilled: the role the serving engin
 The cache is a :class:`~minigpt.infer.fastpath.FastPath`'s own, so a compiled FastPath decodes through its compiled
 step. That step attends to every column of the cache under a mask (135M fp32, 2 threads: 40 tokens/s with a
 256-column cache, 28 with 2,048), so the cache grows with the conversation in powers of two from
-:data:`FIRST_LENGTH` columns rather than taking the whole context at once: never much longer than the
+:data:`~minigpt.infer.kv_cache.FIRST_LENGTH` columns rather than taking the whole context at once: never much longer than the
 conversation, and few lengths (a step compiled in-process by ``torch.compile`` may recompile for a new one).
 Where the step is an AOTInductor package, which serves every length (``FastPath.any_cache_length``), a turn's
 cache holds its prompt and grows with the answer instead (:func:`~minigpt.infer.generate.grown_cache_for`).
@@ -17,36 +17,10 @@ from __future__ import annotations
 
 from typing import Iterator, Optional, Sequence
 
-import torch
-
 from minigpt.infer.generate import generate_tokens, model_device
-from minigpt.infer.kv_cache import fitted_length
+from minigpt.infer.kv_cache import grown_cache
 from minigpt.infer.request import free_memory, kv_cache_bytes, plan_context
 from minigpt.infer.sampling import InvalidRequest, SamplingParams
-
-FIRST_LENGTH = 256  # the first cache length (columns); later ones double, up to the context
-
-
-def grown_length(need: int, cap: int, fitted: bool = False) -> int:
-    """The cache length for ``need`` columns: :data:`FIRST_LENGTH` doubled until it holds them, or with ``fitted``
-    (a step that serves every length) :func:`~minigpt.infer.kv_cache.fitted_length`; at most ``cap``."""
-    if fitted:
-        return min(fitted_length(need), cap)
-    length = FIRST_LENGTH
-    while length < need:
-        length *= 2
-    return min(length, cap)
-
-
-@torch.inference_mode()
-def grown_cache(model, old, need: int, cap: int, keep: int, batch: int = 1, fitted: bool = False):
-    """A new cache of ``model`` (``new_kv_cache``) of ``batch`` rows and :func:`grown_length` ``(need, cap,
-    fitted)`` columns, whose first ``keep`` columns of every row are copied from the cache ``old`` of as many rows
-    (None or ``keep`` 0: nothing carried over)."""
-    new = model.new_kv_cache(batch, grown_length(need, cap, fitted))
-    if old is not None and keep:
-        new.copy_prefix(old, keep)
-    return new
 
 
 class Conversation:
@@ -104,7 +78,7 @@ class Conversation:
             self.cached = prompt + answer[:-1] if answer else prompt[:reuse]
 
     def _make_room(self, need: int, keep: int, fitted: bool = False) -> None:
-        """A cache of at least ``need`` (:func:`grown_length`) columns whose first ``keep`` columns are the current
+        """A cache of at least ``need`` (:func:`~minigpt.infer.kv_cache.grown_length`) columns whose first ``keep`` columns are the current
         cache's."""
         if self.cache is None or self.cache.max_seq_len < need:
             self.cache = grown_cache(self.model, self.cache, need, self.context, keep, fitted=fitted)

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from minigpt.errors import MiniGPTError
-from minigpt.infer.kv_cache import fitted_length
+from minigpt.infer.kv_cache import grown_cache
 from minigpt.infer.sampling import (
     InvalidRequest,
     SamplingParams,
@@ -121,10 +121,8 @@ def grown_cache_for(model, cache, pos: int, total: int):
     masked tail too): SmolLM-135M int4 on 2 Zen 4 cores, 3.4 ms a step with 64 columns against 3.9 with 192 and
     4.8 with 512 (docs/benchmarks.md). Growing as the positions fill it halves the columns a 128-token answer
     reads; the copies cost one pass over the used columns per growth."""
-    length = min(total, fitted_length(pos + 1)) if getattr(model, "any_cache_length", False) else total
-    new = model.new_kv_cache(1, length)
-    new.copy_prefix(cache, pos)
-    return new
+    fitted = getattr(model, "any_cache_length", False)
+    return grown_cache(model, cache, pos + 1 if fitted else total, total, pos, fitted=fitted)
 
 
 def model_device(model) -> torch.device:

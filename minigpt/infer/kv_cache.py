@@ -22,6 +22,31 @@ def fitted_length(need: int) -> int:
     return -(-need // step) * step
 
 
+FIRST_LENGTH = 256  # the first cache length (columns); later ones double, up to the context
+
+
+def grown_length(need: int, cap: int, fitted: bool = False) -> int:
+    """The cache length for ``need`` columns: :data:`FIRST_LENGTH` doubled until it holds them, or with ``fitted``
+    (a step that serves every length) :func:`fitted_length`; at most ``cap``."""
+    if fitted:
+        return min(fitted_length(need), cap)
+    length = FIRST_LENGTH
+    while length < need:
+        length *= 2
+    return min(length, cap)
+
+
+@torch.inference_mode()
+def grown_cache(model, old, need: int, cap: int, keep: int, batch: int = 1, fitted: bool = False):
+    """A new cache of ``model`` (``new_kv_cache``) of ``batch`` rows and :func:`grown_length` ``(need, cap,
+    fitted)`` columns, whose first ``keep`` columns of every row are copied from the cache ``old`` of as many rows
+    (None or ``keep`` 0: nothing carried over)."""
+    new = model.new_kv_cache(batch, grown_length(need, cap, fitted))
+    if old is not None and keep:
+        new.copy_prefix(old, keep)
+    return new
+
+
 class LayerKVCache(KVCache):
     """A :class:`KVCache` whose layers are separate tensors: ``k[i]``/``v[i]`` ``[batch, n_kv_heads, max_seq_len,
     head_dim]``.

@@ -29,9 +29,8 @@ from typing import Optional
 
 import torch
 
-from minigpt.infer.conversation import grown_cache, grown_length
 from minigpt.infer.fastpath import FastPath
-from minigpt.infer.kv_cache import LayerKVCache, SlotKVCache
+from minigpt.infer.kv_cache import LayerKVCache, SlotKVCache, grown_cache, grown_length
 from minigpt.infer.request import Request, choose_tokens
 
 

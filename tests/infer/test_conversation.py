@@ -6,9 +6,10 @@ import torch
 from conftest import random_model
 
 from minigpt.errors import MiniGPTError
-from minigpt.infer.conversation import FIRST_LENGTH, Conversation
+from minigpt.infer.conversation import Conversation
 from minigpt.infer.fastpath import FastPath
 from minigpt.infer.generate import generate_tokens
+from minigpt.infer.kv_cache import FIRST_LENGTH
 from minigpt.infer.sampling import InvalidRequest, SamplingParams
 
 SHAPE = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=1024, multiple_of=16)

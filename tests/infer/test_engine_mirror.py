@@ -66,7 +66,12 @@ def prompt(n, seed=0):
     return torch.randint(2, 320, (n,), generator=g).tolist()
 
 
-def test_a_lone_request_decodes_in_the_mirror_which_grows_past_256_columns():
+# 256 columns, doubled when the request passed them; over a step that serves every length (as an AOTInductor
+# package's) 256 columns for the 250-token prompt, then 320 (kv_cache.fitted_length), not 512.
+@pytest.mark.parametrize("fitted, grown_to", [(False, 512), (True, 320)], ids=["powers-of-two", "fitted"])
+def test_a_lone_request_decodes_in_the_mirror_which_grows_past_256_columns(fitted, grown_to, monkeypatch):
+    if fitted:
+        monkeypatch.setattr(FastPath, "any_cache_length", property(lambda self: True))
     model = tiny_model()
     engine, steps = mirror_engine(model, max_batch_size=2)
     p = prompt(250)
@@ -74,20 +79,7 @@ def test_a_lone_request_decodes_in_the_mirror_which_grows_past_256_columns():
     engine.run_until_idle()
     assert tokens_of(req) == list(generate_tokens(model, p, greedy(20)))
     assert steps == list(range(250, 269)), "every step after the first token ran through the mirror"
-    assert engine.mirror.cache.max_seq_len == 512  # 256 columns, doubled when the request passed them
-
-
-def test_over_a_step_that_serves_every_length_the_mirror_is_fitted_to_the_rows(monkeypatch):
-    """As for an AOTInductor package: 256 columns for a 250-token request, then 320 (not 512) past them."""
-    monkeypatch.setattr(FastPath, "any_cache_length", property(lambda self: True))
-    model = tiny_model()
-    engine, steps = mirror_engine(model, max_batch_size=2)
-    p = prompt(250)
-    req = engine.submit(p, greedy(20))
-    engine.run_until_idle()
-    assert tokens_of(req) == list(generate_tokens(model, p, greedy(20)))
-    assert steps == list(range(250, 269))
-    assert engine.mirror.cache.max_seq_len == 320
+    assert engine.mirror.cache.max_seq_len == grown_to
 
 
 def test_the_slot_is_synced_before_others_join_and_before_the_prefix_cache_remembers():
