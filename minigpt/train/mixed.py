@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from minigpt.runtime import DTYPES, native_bf16
+from minigpt.runtime import DTYPES, cpu_flags, native_bf16
 
 BF16 = torch.bfloat16
 
@@ -49,16 +49,65 @@ def compute_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def autocast(device_type: str, dtype: torch.dtype, emulate: bool | None = None):
+def autocast(device_type: str, dtype: torch.dtype, emulate: bool | None = None,
+             float32_attention: bool | None = None):
     """A mixed-precision context: nothing for float32; for bf16 on a CPU without native bf16 (or ``emulate=True``)
-    :class:`EmulatedBf16`; otherwise ``torch.autocast(device_type, dtype)``."""
+    :class:`EmulatedBf16`; otherwise ``torch.autocast(device_type, dtype)``, with its attention in float32
+    (:class:`Float32Attention`) where ``float32_attention`` (None: :func:`float32_attention_wanted`)."""
     if dtype == torch.float32:
         return contextlib.nullcontext()
     if emulate is None:
         emulate = dtype == BF16 and device_type == "cpu" and not native_bf16("cpu")
     if emulate:
         return EmulatedBf16()
+    if float32_attention is None:
+        float32_attention = dtype == BF16 and float32_attention_wanted(device_type)
+    if float32_attention and dtype == BF16 and device_type == "cpu":
+        return Float32Attention()
     return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def float32_attention_wanted(device_type: str) -> bool:
+    """Whether bf16 autocast should run compiled attention in float32 on this device (:class:`Float32Attention`):
+    a CPU with native bf16 but no AMX.
+
+    Why: there PyTorch's CPU flash-attention kernel is slower in bf16 than in float32. Measured on a 2-core Zen 4
+    EPYC (family 25 model 17, AVX512-BF16, no AMX), causal, batch 8 x 256 positions, the inputs strided as the
+    model's (``[batch, seq, heads, head_dim]`` transposed), forward + backward, medians of 15: the `small` preset's
+    shape (12 heads, 3 KV heads, head_dim 32) 40.4 ms in bf16 against 31.1 ms in float32, the casts included. In a
+    whole compiled training step (`minigpt bench`'s train row: AdamW, 8 x 256 tokens, one model alternating the
+    two, paired medians): `small` 1.055-1.110x over three runs, `medium` 1.040x. Eagerly the casts, each a pass of
+    its own, cost what the kernel saves (`small` 0.97-1.00x, `medium` 0.95x), so eager steps keep the bf16
+    kernel. On AMX CPUs (Sapphire Rapids) the bf16 kernel is kept: not measured against float32 there."""
+    return device_type == "cpu" and native_bf16("cpu") and "amx_bf16" not in cpu_flags()
+
+
+class Float32Attention(TorchFunctionMode):
+    """``torch.autocast("cpu", torch.bfloat16)``, and in code that ``torch.compile`` traces under it
+    ``F.scaled_dot_product_attention`` on its bf16 inputs computed in float32 (autocast off for the call), the
+    output rounded to bf16: the attention :class:`EmulatedBf16` computes, at least as accurate as autocast's bf16
+    kernel (float32 scores, products of exact bf16 values); Inductor folds the casts into the kernels beside them.
+    Run eagerly, attention and every other call are autocast's (:func:`float32_attention_wanted` says why). Use as
+    a context manager, like ``torch.autocast``. Shapes as for SDPA: ``q`` ``[batch, heads, q_len, head_dim]`` ->
+    the same, bf16."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and torch.compiler.is_compiling():
+            with torch.autocast("cpu", enabled=False):
+                return _bf16_sdpa(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        self._autocast = torch.autocast("cpu", dtype=BF16)
+        self._autocast.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._autocast.__exit__(*exc)
 
 
 def _bf16_values(t: torch.Tensor) -> torch.Tensor:
@@ -100,6 +149,8 @@ class _Bf16Linear(torch.autograd.Function):
 def _bf16_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """SDPA on bf16-rounded ``q``/``k``/``v`` computed in float32, output rounded to bf16 (autograd flows through
     the casts, so the input gradients are rounded to bf16 as well)."""
+    if attn_mask is not None and attn_mask.is_floating_point():  # an additive bias (ALiBi): SDPA wants q's dtype
+        attn_mask = attn_mask.float()
     kw = {"attn_mask": attn_mask, "dropout_p": dropout_p, "is_causal": is_causal, "scale": scale}
     if enable_gqa:
         kw["enable_gqa"] = True
