@@ -76,7 +76,7 @@ def float32_attention_wanted(device_type: str) -> bool:
     model's (``[batch, seq, heads, head_dim]`` transposed), forward + backward, medians of 15: the `small` preset's
     shape (12 heads, 3 KV heads, head_dim 32) 40.4 ms in bf16 against 31.1 ms in float32, the casts included. In a
     whole compiled training step (`minigpt bench`'s train row: AdamW, 8 x 256 tokens, one model alternating the
-    two, paired medians): `small` 1.055-1.110x over three runs, `medium` 1.040x. Eagerly the casts, each a pass of
+    two, paired medians): `small` 1.055-1.110x over four runs, `medium` 1.040x. Eagerly the casts, each a pass of
     its own, cost what the kernel saves (`small` 0.97-1.00x, `medium` 0.95x), so eager steps keep the bf16
     kernel. On AMX CPUs (Sapphire Rapids) the bf16 kernel is kept: not measured against float32 there."""
     return device_type == "cpu" and native_bf16("cpu") and "amx_bf16" not in cpu_flags()
