@@ -14,6 +14,9 @@ float32 (24 bits), so only the summation order differs from a native bf16 GEMM. 
 gradient then cast to the float32 parameter's dtype). Elementwise ops run on the bf16 tensors they receive, as under
 autocast; the model's norms, softmax and loss upcast to float32 themselves.
 
+Where the CPU has native bf16 but no AMX, :func:`autocast` is ``torch.autocast`` with the attention of compiled
+code in float32 (:class:`Float32Attention`): PyTorch's CPU flash kernel is faster in float32 there.
+
 What it does not give: bf16's speed-up over fp32 (there is no bf16 hardware to use) or its memory saving on
 weights (fp32 master weights are kept either way; saved activations are bf16 as with autocast). MFU of a run under
 emulation is quoted against the fp32 peak, the arithmetic actually used (:func:`compute_dtype`).
@@ -61,7 +64,7 @@ def autocast(device_type: str, dtype: torch.dtype, emulate: bool | None = None,
     if emulate:
         return EmulatedBf16()
     if float32_attention is None:
-        float32_attention = dtype == BF16 and float32_attention_wanted(device_type)
+        float32_attention = float32_attention_wanted(device_type)
     if float32_attention and dtype == BF16 and device_type == "cpu":
         return Float32Attention()
     return torch.autocast(device_type=device_type, dtype=dtype)
