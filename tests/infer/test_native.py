@@ -35,6 +35,16 @@ def test_the_command_line_and_the_launcher_import_without_torch():
     assert out.stdout.strip() == "False"
 
 
+def test_the_launcher_reads_torchs_version_without_importing_it_or_the_package_metadata():
+    """The bundle key's torch version comes from torch/version.py: the same string as ``torch.__version__``, with
+    neither torch nor ``importlib.metadata`` (23-30 ms of a one-shot call) imported."""
+    code = ("import sys, minigpt.infer.launcher as launcher; version = launcher.torch_version(); "
+            "print(version, 'torch' in sys.modules, 'importlib.metadata' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=CLI_ENV)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [torch.__version__, "False", "False"]
+
+
 def _model_dir(tiny_data, path: Path, **overrides) -> Path:
     tok = Tokenizer.from_dir(tiny_data)
     # Noise large enough that greedy tokens vary (at 0.05 this shape repeats one token).
