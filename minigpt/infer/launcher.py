@@ -112,7 +112,7 @@ def trusted(path: Path) -> bool:
 def torch_version() -> str:
     """The installed torch's version (``"2.13.0+cpu"``), "none" without torch, read without importing torch: the
     ``__version__`` line of ``torch/version.py``, found by :func:`importlib.util.find_spec` (which imports
-    nothing), else the package metadata.
+    nothing).
 
     Why not the metadata first: ``import importlib.metadata`` alone is 23-30 ms on a 2-core Zen 4 EPYC; the native
     path's imports and key start ~20 ms sooner without it (paired, 2 x 41 processes), ~1.3 % of a one-shot
@@ -125,13 +125,7 @@ def torch_version() -> str:
                           Path(spec.origin).with_name("version.py").read_text(), re.M)
     except OSError:
         found = None
-    if found:
-        return found.group(1)
-    from importlib import metadata  # a torch without its version.py (not seen)
-    try:
-        return metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        return "none"
+    return found.group(1) if found else "none"
 
 
 def runner_digest() -> str:
