@@ -114,7 +114,7 @@ def torch_version() -> str:
     ``__version__`` line of ``torch/version.py``, found by :func:`importlib.util.find_spec` (which imports
     nothing).
 
-    Why not the metadata first: ``import importlib.metadata`` alone is 23-30 ms on a 2-core Zen 4 EPYC; the native
+    Why not the package metadata: ``import importlib.metadata`` alone is 23-30 ms on a 2-core Zen 4 EPYC; the native
     path's imports and key start ~20 ms sooner without it (paired, 2 x 41 processes), ~1.3 % of a one-shot
     128-token bf16 ``generate --compile`` call there (docs/benchmarks.md)."""
     spec = importlib.util.find_spec("torch")
