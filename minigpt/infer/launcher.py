@@ -44,7 +44,12 @@ RUNNER_HEADERS = (_PACKAGE / "infer" / "runner_ops.h",)  # included by the sourc
 # Their compiler flags (with the include paths and the ABI macro, minigpt.infer.fastpath.library.build_runner).
 # -fopenmp: ATen's parallel_for, which the int4 kernel's threads come from, is OpenMP inlined from the headers and
 # serial without it; the library then needs libgomp.so.1, which torch ships and has loaded already.
-RUNNER_FLAGS = ("-O2", "-std=c++17", "-fPIC", "-w", "-fopenmp")
+# -O3, not -O2: at -O2 GCC left the kernels' loops over activation rows and accumulator chains (fixed small trip
+# counts) rolled, with the int32/float32 accumulators in stack slots loaded and stored around every vpdpbusd/FMA;
+# -O3 unrolls them into registers (the same instructions in the same order: the same bits). The int4 x int8 kernel
+# (q4_kernel.cpp) on SmolLM-135M's 120 layer matrices, 2-core Zen 4 EPYC: 16 rows 23-24 -> 12-16 ms, 64 rows 87-98
+# -> 43-60 ms; bf16 decode (float_kernel.cpp, bound by memory) unchanged (docs/benchmarks.md, session 66).
+RUNNER_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-w", "-fopenmp")
 ERROR_BYTES = 2048
 # Cache lengths of the compiled step are rounded up to a multiple of this, so that generations of nearby lengths
 # share one compiled graph (a `torch.compile` step is compiled per [batch, cache length]); the native runner's
