@@ -12,8 +12,9 @@
 //          4 m + j; the bytes are read as int8, the words never as floats;
 //   scale  [out] float32, per output row;
 //   y[m, n] = scale[n] * sum_k x[m, k] * float(w[n, k]): every weight converted to float32 exactly, the products
-//          accumulated in float32 by fused multiply-adds, in 16 (AVX-512) or 8 (AVX2) lanes summed at the row's
-//          end. The order of the sum differs from the generated loops'; the screen's bound covers any order
+//          accumulated in float32 by fused multiply-adds, in four chains of 16 (AVX-512) or 8 (AVX2) lanes summed
+//          at the row's end. The order of the sum differs from the generated loops'; the screen's bound covers any
+//          order
 //          (screen.py: dim 2^-24 ||h|| ||s q||, Higham's bound for a dot product).
 //
 // Why: Inductor's loops unpack each byte from its float32 word with two shifts and a conversion; with the 256-bit
@@ -57,30 +58,47 @@ minigpt_ops::FloatIsa chosen_isa() {
   return isa;
 }
 
-// Output rows [n0, n1) for M activation rows: y[m * ldy + n].
+// Output rows [n0, n1) for M activation rows: y[m * ldy + n]. Four chains of fused multiply-adds per activation
+// row (kChains), summed at the row's end, so that the adds' latency does not bound the loop: with one chain a row of
+// 576 inputs waits 36 (AVX-512) or 72 (AVX2) times for the previous FMA, which on a 2-core AVX2-only Zen 3 EPYC
+// kept the 28 MB screen of SmolLM-135M at 11 GB/s (docs/benchmarks.md, session 67).
+constexpr int kChains = 4;
+
 template <int M>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void rows_avx512(const float* x, const int8_t* w, int64_t in,
                                                                       const float* scale, int64_t n0, int64_t n1,
                                                                       float* y, int64_t ldy) {
-  const int64_t full = in / 16 * 16;
+  const int64_t wide = in / 64 * 64, full = in / 16 * 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (in - full)) - 1);
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* row = w + n * in;
-    __m512 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t k = 0; k <= full; k += 16) {
-      if (k == full && tail == 0) break;
-      const bool last = k == full;
-      if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetch, _MM_HINT_T0);
-      const __m128i b = last ? _mm_maskz_loadu_epi8(tail, row + k)
-                             : _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
-      const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-      for (int m = 0; m < M; ++m) {
-        const __m512 xv = last ? _mm512_maskz_loadu_ps(tail, x + m * in + k) : _mm512_loadu_ps(x + m * in + k);
-        acc[m] = _mm512_fmadd_ps(xv, wv, acc[m]);
+    __m512 acc[M][kChains];
+    for (int m = 0; m < M; ++m)
+      for (int c = 0; c < kChains; ++c) acc[m][c] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k < wide; k += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetch, _MM_HINT_T0);
+      for (int c = 0; c < kChains; ++c) {
+        const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + 16 * c))));
+        for (int m = 0; m < M; ++m)
+          acc[m][c] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * in + k + 16 * c), wv, acc[m][c]);
       }
     }
-    for (int m = 0; m < M; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(acc[m]) * scale[n];
+    for (; k < full; k += 16) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
+      const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+      for (int m = 0; m < M; ++m) acc[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * in + k), wv, acc[m][0]);
+    }
+    if (tail) {
+      const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(tail, row + full)));
+      for (int m = 0; m < M; ++m)
+        acc[m][1] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, x + m * in + full), wv, acc[m][1]);
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m512 s = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
+      y[m * ldy + n] = _mm512_reduce_add_ps(s) * scale[n];
+    }
   }
 }
 
@@ -95,20 +113,30 @@ __attribute__((target("avx2,fma"))) inline float sum_lanes(__m256 v) {
 template <int M>
 __attribute__((target("avx2,fma"))) void rows_avx2(const float* x, const int8_t* w, int64_t in, const float* scale,
                                                    int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  const int64_t full = in / 8 * 8;
+  const int64_t wide = in / 32 * 32, full = in / 8 * 8;
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* row = w + n * in;
-    __m256 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < full; k += 8) {
+    __m256 acc[M][kChains];
+    for (int m = 0; m < M; ++m)
+      for (int c = 0; c < kChains; ++c) acc[m][c] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k < wide; k += 32) {
       if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetch, _MM_HINT_T0);
+      for (int c = 0; c < kChains; ++c) {
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k + 8 * c));
+        const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+        for (int m = 0; m < M; ++m)
+          acc[m][c] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * in + k + 8 * c), wv, acc[m][c]);
+      }
+    }
+    for (; k < full; k += 8) {
       const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k));
       const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-      for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * in + k), wv, acc[m]);
+      for (int m = 0; m < M; ++m) acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * in + k), wv, acc[m][0]);
     }
     for (int m = 0; m < M; ++m) {
-      float total = sum_lanes(acc[m]);
-      for (int64_t k = full; k < in; ++k) total = std::fma(x[m * in + k], static_cast<float>(row[k]), total);
+      float total = sum_lanes(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3])));
+      for (int64_t j = full; j < in; ++j) total = std::fma(x[m * in + j], static_cast<float>(row[j]), total);
       y[m * ldy + n] = total * scale[n];
     }
   }
