@@ -17,8 +17,8 @@
 // weights, so one `vpdpbusd` (AVX512-VNNI: unsigned bytes x signed bytes, four products summed into each int32
 // lane) multiplies 16 rows by 4 inputs with the four activation bytes broadcast, and nothing is summed across lanes
 // (llama.cpp's repacked Q4_0 layouts, ggml-cpu/repack.cpp, interleave rows for the same reason). Three paths give
-// the same integers and the same floats, bit for bit: AVX512-VNNI, AVX2 (`vpmaddubsw` + `vpmaddwd`: the pair sums
-// stay below 2 x 15 x 127, no saturation) and plain C++; MINIGPT_Q4_ISA=avx2|scalar caps the choice (tests, A/B).
+// the same integers and the same floats, bit for bit: AVX512-VNNI, AVX2 (`vpmaddubsw` + `vpmaddwd`: the 16-bit sums
+// stay below 2^15, no saturation; block_avx2) and plain C++; MINIGPT_Q4_ISA=avx2|scalar caps the choice (tests, A/B).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -56,32 +56,77 @@ struct Quantized {
   std::vector<int32_t> sum;  // [rows, groups]: sum of q over the group, for the levels' offset of 8
 };
 
-void quantize(const float* x, int64_t rows, int64_t in, int64_t group, Quantized& out) {
+// One group of x (`group` values) rounded to int8 as llama.cpp's Q8_0: d = max|x| / 127 (NaN when the group holds a
+// NaN), q = round-half-even(x / d) through the same float32 multiply by 1 / d; returns d, q's sum in *sum.
+inline float quantize_group(const float* xs, int64_t group, int8_t* q, int32_t* sum) {
+  float amax = 0.0f;
+  bool nan = false;
+  for (int64_t k = 0; k < group; ++k) {
+    amax = std::max(amax, std::fabs(xs[k]));
+    nan = nan || std::isnan(xs[k]);
+  }
+  float d = nan ? NAN : amax / 127.0f;  // std::max drops a NaN; the group's products must not
+  float id = (d != 0.0f && std::isfinite(d)) ? 1.0f / d : 0.0f;  // a non-finite d reaches the output
+  int32_t s = 0;
+  for (int64_t k = 0; k < group; ++k) {
+    const float r = xs[k] * id;  // NaN only in a NaN group (id 0 there), whose d is NaN: its q does not matter
+    q[k] = std::isnan(r) ? 0 : static_cast<int8_t>(std::nearbyint(r));  // ties to even, as torch.round
+    s += q[k];
+  }
+  *sum = s;
+  return d;
+}
+
+// The same numbers eight values at a time (group a multiple of 8): the maximum is exact in any order, the products
+// are the same float32 multiplies, and vroundps rounds half to even as nearbyint does in the default mode. Why:
+// the scalar loop calls libm's nearbyintf once per value; at one activation row that was ~0.3 ms of a 6 ms int4
+// SmolLM-135M token on a 2-core Zen 3 EPYC (120 products a token), all of it on one thread.
+__attribute__((target("avx2,fma"))) float quantize_group_avx2(const float* xs, int64_t group, int8_t* q,
+                                                              int32_t* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 vmax = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
+  for (int64_t k = 0; k < group; k += 8) {
+    const __m256 v = _mm256_loadu_ps(xs + k);
+    vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, v));
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  const float d = _mm256_movemask_ps(unordered) ? NAN : amax / 127.0f;
+  const float id = (d != 0.0f && std::isfinite(d)) ? 1.0f / d : 0.0f;
+  const __m256 vid = _mm256_set1_ps(id);
+  __m256i s = _mm256_setzero_si256();
+  for (int64_t k = 0; k < group; k += 8) {
+    const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(xs + k), vid);
+    const __m256 r = _mm256_andnot_ps(_mm256_cmp_ps(p, p, _CMP_UNORD_Q),  // NaN -> 0, as quantize_group
+                                      _mm256_round_ps(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i i = _mm256_cvtps_epi32(r);  // exact: an integer in -127..127
+    s = _mm256_add_epi32(s, i);
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm_packs_epi16(w, w));
+  }
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+  *sum = _mm_cvtsi128_si32(h);
+  return d;
+}
+
+void quantize(const float* x, int64_t rows, int64_t in, int64_t group, bool vector, Quantized& out) {
   int64_t groups = in / group;
   out.q.resize(rows * in);
   out.d.resize(rows * groups);
   out.sum.resize(rows * groups);
-  for (int64_t m = 0; m < rows; ++m) {
+  for (int64_t m = 0; m < rows; ++m)
     for (int64_t g = 0; g < groups; ++g) {
       const float* xs = x + m * in + g * group;
-      float amax = 0.0f;
-      bool nan = false;
-      for (int64_t k = 0; k < group; ++k) {
-        amax = std::max(amax, std::fabs(xs[k]));
-        nan = nan || std::isnan(xs[k]);
-      }
-      float d = nan ? NAN : amax / 127.0f;  // std::max drops a NaN; the group's products must not
-      float id = (d != 0.0f && std::isfinite(d)) ? 1.0f / d : 0.0f;  // a non-finite d reaches the output
-      int32_t s = 0;
       int8_t* q = out.q.data() + m * in + g * group;
-      for (int64_t k = 0; k < group; ++k) {
-        q[k] = static_cast<int8_t>(std::nearbyint(xs[k] * id));  // ties to even, as torch.round
-        s += q[k];
-      }
-      out.d[m * groups + g] = d;
-      out.sum[m * groups + g] = s;
+      int32_t* sum = out.sum.data() + m * groups + g;
+      out.d[m * groups + g] = vector && group % 8 == 0 ? quantize_group_avx2(xs, group, q, sum)
+                                                       : quantize_group(xs, group, q, sum);
     }
-  }
 }
 
 // One block of 16 output rows for M activation rows. w: the block's [in / 8, 64] bytes; s: its [groups, 16] scales;
@@ -125,9 +170,60 @@ void block_scalar(const Args& a) {
   }
 }
 
+// AVX2: `vpmaddubsw` multiplies 32 unsigned levels by 32 signed activation bytes and adds adjacent pairs into 16-bit
+// lanes (|pair| <= 2 x 15 x 127 = 3810), and the pairs of up to kSum16 chunks are added in 16 bits (|sum| <= 2 x 4 x
+// 3810 = 30480 < 32767: exact) before one `vpmaddwd` by ones widens them to the 32-bit sums of each row. Adding
+// the pairs in 16 bits, not widening every chunk, and (for up to two activation rows) both halves of a block in one
+// pass, sharing the activation broadcasts: SmolLM-135M's 120 layer matrices, one row, 2 threads, on a 2-core
+// AVX2-only Zen 3 EPYC: 3.0-3.6 -> 2.3-3.0 ms a pass (docs/benchmarks.md, session 67). The integers are the same,
+// and so are the floats: each group's sum meets its scale in the same fused multiply-add as before.
+constexpr int64_t kSum16 = 4;
+
 template <int M>
 __attribute__((target("avx2,f16c,fma"))) void block_avx2(const Args& a) {
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  if constexpr (M <= 2) {  // both halves in one pass: 2 x M 16-bit and 2 x M float accumulators fit the registers
+    __m256 acc[2][M];
+    for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
+    const uint8_t* w = a.w;
+    for (int64_t g = 0; g < a.groups; ++g) {
+      __m256i isum[2][M];
+      for (int m = 0; m < M; ++m) isum[0][m] = isum[1][m] = _mm256_set1_epi32(-8 * a.sum[m * a.groups + g]);
+      for (int64_t c0 = 0; c0 < a.chunks; c0 += kSum16) {
+        __m256i s16[2][M];
+        for (int m = 0; m < M; ++m) s16[0][m] = s16[1][m] = _mm256_setzero_si256();
+        for (int64_t c = c0; c < std::min(a.chunks, c0 + kSum16); ++c, w += kBlock) {
+          _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch, _MM_HINT_T0);
+          __m256i lo[2], hi[2];
+          for (int h = 0; h < 2; ++h) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h));
+            lo[h] = _mm256_and_si256(v, nibble);
+            hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          }
+          for (int m = 0; m < M; ++m) {
+            const int8_t* q = a.q + m * a.in + 8 * (g * a.chunks + c);
+            const __m256i ql = _mm256_set1_epi32(four(q)), qh = _mm256_set1_epi32(four(q + 4));
+            for (int h = 0; h < 2; ++h)
+              s16[h][m] = _mm256_add_epi16(s16[h][m], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], ql),
+                                                                       _mm256_maddubs_epi16(hi[h], qh)));
+          }
+        }
+        for (int h = 0; h < 2; ++h)
+          for (int m = 0; m < M; ++m) isum[h][m] = _mm256_add_epi32(isum[h][m], _mm256_madd_epi16(s16[h][m], ones));
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256 scale =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.s + g * kRows + 8 * h)));
+        for (int m = 0; m < M; ++m) {
+          const __m256 f = _mm256_mul_ps(scale, _mm256_set1_ps(a.d[m * a.groups + g]));
+          acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h][m]), f, acc[h][m]);
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h)
+      for (int m = 0; m < M; ++m) _mm256_storeu_ps(a.y + m * a.ldy + 8 * h, acc[h][m]);
+    return;
+  }
   for (int64_t half = 0; half < 2; ++half) {  // rows 0-7, then 8-15: the second 32 bytes of every chunk
     __m256 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
@@ -135,17 +231,22 @@ __attribute__((target("avx2,f16c,fma"))) void block_avx2(const Args& a) {
     for (int64_t g = 0; g < a.groups; ++g) {
       __m256i isum[M];
       for (int m = 0; m < M; ++m) isum[m] = _mm256_set1_epi32(-8 * a.sum[m * a.groups + g]);
-      for (int64_t c = 0; c < a.chunks; ++c) {
-        int64_t chunk = g * a.chunks + c;
-        if (half == 0) _mm_prefetch(reinterpret_cast<const char*>(w + chunk * kBlock) + kPrefetch, _MM_HINT_T0);
-        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + chunk * kBlock));
-        __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-        for (int m = 0; m < M; ++m) {
-          const int8_t* q = a.q + m * a.in + 8 * chunk;
-          __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(four(q))),
-                                           _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four(q + 4))));
-          isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(pairs, ones));
+      for (int64_t c0 = 0; c0 < a.chunks; c0 += kSum16) {
+        __m256i s16[M];
+        for (int m = 0; m < M; ++m) s16[m] = _mm256_setzero_si256();
+        for (int64_t c = c0; c < std::min(a.chunks, c0 + kSum16); ++c) {
+          int64_t chunk = g * a.chunks + c;
+          if (half == 0) _mm_prefetch(reinterpret_cast<const char*>(w + chunk * kBlock) + kPrefetch, _MM_HINT_T0);
+          __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + chunk * kBlock));
+          __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          for (int m = 0; m < M; ++m) {
+            const int8_t* q = a.q + m * a.in + 8 * chunk;
+            const __m256i ql = _mm256_set1_epi32(four(q)), qh = _mm256_set1_epi32(four(q + 4));
+            s16[m] = _mm256_add_epi16(s16[m],
+                                      _mm256_add_epi16(_mm256_maddubs_epi16(lo, ql), _mm256_maddubs_epi16(hi, qh)));
+          }
         }
+        for (int m = 0; m < M; ++m) isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(s16[m], ones));
       }
       __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.s + g * kRows + 8 * half)));
       for (int m = 0; m < M; ++m) {
@@ -238,7 +339,7 @@ at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
   at::Tensor y = at::empty({rows, blocks * kRows}, x.options());
   if (rows == 0 || blocks == 0) return y;
   Quantized qx;
-  quantize(xc.data_ptr<float>(), rows, in, in / groups, qx);
+  quantize(xc.data_ptr<float>(), rows, in, in / groups, chosen_isa() != kScalar, qx);
   static const BlockFn scalar[] = MG_Q4_TABLE(block_scalar), avx2[] = MG_Q4_TABLE(block_avx2),
                        vnni[] = MG_Q4_TABLE(block_vnni);
   const BlockFn* table = chosen_isa() == kVnni ? vnni : chosen_isa() == kAvx2 ? avx2 : scalar;

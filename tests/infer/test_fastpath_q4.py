@@ -76,7 +76,18 @@ p = Proj(packed, scale, None)
 library.q4_layout(p)
 y = torch.ops.minigpt.q4_mm(torch.randn(6, 192), p.words, p.word_scale)
 w = [torch.ops.minigpt.q4_dequant(packed, scale, bf16).view(torch.int16) for bf16 in (False, True)]
-print(hashlib.sha256(y.numpy().tobytes() + w[0].numpy().tobytes() + w[1].numpy().tobytes()).hexdigest())
+# The largest integer sums: every level 15 or 0 against activations rounded to +-127, groups of 128 inputs (16
+# chunks, more than the AVX2 path adds in 16 bits at once), one to five rows (both of its block shapes).
+big = Proj(torch.full((32, 128), 0xFF, dtype=torch.uint8), torch.ones(32, 2, dtype=torch.float16), None)
+big.weight[16:] = 0
+library.q4_layout(big)
+x = torch.cat([torch.ones(2, 256), torch.where(torch.arange(256) % 3 == 0, -1.0, 1.0).repeat(3, 1)])
+x[1] = -1
+sums = [torch.ops.minigpt.q4_mm(x[:r], big.words, big.word_scale) for r in range(1, 6)]
+assert all(torch.equal(s, sums[-1][:len(s)]) for s in sums)
+assert torch.equal(sums[-1], library._q4_mm(x, big.words, big.word_scale))
+print(hashlib.sha256(y.numpy().tobytes() + w[0].numpy().tobytes() + w[1].numpy().tobytes()
+                     + b"".join(s.numpy().tobytes() for s in sums)).hexdigest())
 """
 
 
