@@ -36,6 +36,9 @@ DECODE_ROWS_MAX = 8
 # 196, 128 rows 320 / 235; the kernel's last logits were also nearer those of a token-by-token prefill (max |diff|
 # 0.017 against 0.030 at 13 and 32 rows). MiniGPT's kernel, same host later (session 38): 9 rows 31-44 ms, 32 rows
 # 79-101, 64 rows 171-183, against the GEMM's 185-189, 202-216 and 229-500 (noisy), ATen's 55-58, 121-137, 219-242.
+# Where the CPU has no native bf16 the dequantized GEMM is a float32 one, and MiniGPT's kernel takes every row count
+# (Proj.__call__): on a 2-core AVX2-only Zen 3 EPYC, SmolLM-135M's 512-token prefill ran at 618 against 494 tokens/s
+# (medians of 5 alternating, docs/benchmarks.md, session 67), with the decode step's numerics.
 INT4_ATEN_ROWS_MAX = 64
 
 # Many-row products convert a weight stored in another dtype than the GEMM's (bf16 into float32 on CPUs without
@@ -150,16 +153,18 @@ class Proj:
         (:data:`~minigpt.infer.fastpath.library.OWN_INT8`, AVX2 without VNNI): up to :data:`DECODE_ROWS_MAX` rows so,
         more through the float path below. int4 weights in MiniGPT's int4 x int8 layout
         (:func:`~minigpt.infer.fastpath.library.q4_layout`): up to :data:`INT4_ATEN_ROWS_MAX` rows through
-        :func:`~minigpt.infer.fastpath.library.q4_linear`, as in the compiled step. int8/int4 weights given ATen's layout
-        (:func:`aten_woq_layout`): a few rows (int4: up to :data:`INT4_ATEN_ROWS_MAX`) through ATen's weight-only
-        kernels on bf16 activations (the compiled step's numerics); more rows through the dequantized GEMM, in bf16
-        on CPUs with native bf16, else in float32, converting a slice of rows at a time (:meth:`_gemm`)."""
+        :func:`~minigpt.infer.fastpath.library.q4_linear`, as in the compiled step, and any number of rows on a CPU
+        without native bf16 (where the dequantized GEMM below would be a float32 one, slower than the kernel).
+        int8/int4 weights given ATen's layout (:func:`aten_woq_layout`): a few rows (int4: up to
+        :data:`INT4_ATEN_ROWS_MAX`) through ATen's weight-only kernels on bf16 activations (the compiled step's
+        numerics); more rows through the dequantized GEMM, in bf16 on CPUs with native bf16, else in float32,
+        converting a slice of rows at a time (:meth:`_gemm`)."""
         w, rows = self.weight, x.numel() // x.shape[-1]
         if self.w8a8 is not None and (self.w8a8 is not OWN_INT8 or rows <= DECODE_ROWS_MAX):
             return w8a8_linear(self, x)  # as in the compiled step: FBGEMM for every row count, MiniGPT's kernel alone
             # (AVX2 without VNNI) for a few
-        if self.q4 and rows <= INT4_ATEN_ROWS_MAX:  # int4 x int8, as in the compiled step
-            return q4_linear(self, x)
+        if self.q4 and (rows <= INT4_ATEN_ROWS_MAX or not native_bf16("cpu")):  # int4 x int8, as in the compiled
+            return q4_linear(self, x)  # step; more rows too where the dequantized GEMM would run in float32
         group_size = self.group_size
         if self.aten_layout and rows <= (INT4_ATEN_ROWS_MAX if group_size else DECODE_ROWS_MAX):
             # ATen's kernels, as in the compiled step
