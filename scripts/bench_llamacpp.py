@@ -36,8 +36,9 @@ What it does (``python scripts/bench_llamacpp.py [--model SRC | --preset small]`
 
    MiniGPT's matching precision: F32 = fp32, F16 = fp16 weights, BF16 = bf16 weights, Q8_0 = int8 weight-only
    (per channel), Q4_0 = int4 weight-only (groups of 32, Q4_0's own layout). Ratios are MiniGPT / llama.cpp for
-   rates and llama.cpp / MiniGPT for times, so > 1 means MiniGPT is faster. The CPU model, its SIMD flags, the
-   thread count and the load average before and after are printed with the table (``--json FILE``: every sample).
+   rates and llama.cpp / MiniGPT for times, so > 1 means MiniGPT is faster; under the table, each round's ratio
+   and their median. The CPU model (family and model numbers), its SIMD flags, the thread count and the load average
+   before and after are printed with the table (``--json FILE``: every sample).
 
 ``--isa avx2`` runs both sides as on an AVX2-only CPU, for hosts that have more: llama.cpp built without
 ``-march=native`` for AVX, AVX2, FMA, F16C and BMI2 (``build-avx2``), MiniGPT under ``ATEN_CPU_CAPABILITY=avx2``
@@ -332,6 +333,8 @@ def cpu_description() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
         model = re.search(r"model name\s*:\s*(.*)", text).group(1).strip()
+        model += " (family {} model {})".format(*(re.search(rf"{f}\s*:\s*(\d+)", text).group(1)  # "AMD EPYC":
+                                                   for f in ("cpu family", "model")))  # which generation?
         have = set(re.search(r"flags\s*:\s*(.*)", text).group(1).split())
         flags = [f for f in FLAGS if f in have]
     except (OSError, AttributeError):
@@ -339,8 +342,21 @@ def cpu_description() -> str:
     return f"{model}; flags: {' '.join(flags) or 'none of ' + ' '.join(FLAGS)}; {os.cpu_count()} logical CPUs"
 
 
-def _load(avg) -> str:
-    return " ".join(f"{x:.2f}" for x in avg)
+def round_ratios(samples: dict, types: list[str], args) -> str:
+    """Each round's ratio of the two sides' figures (run back to back: a slow phase of a shared host touches both),
+    and their median: robust where the medians of each side drift apart."""
+    keys = [("decode", "decode", True), ("prefill", f"pp{args.prefill}", True), ("ttft_s", "TTFT", False)]
+    lines = ["per-round ratios (> 1: MiniGPT faster), median in brackets:"]
+    for kind in types:
+        both = list(zip(samples["llama"][kind], samples["minigpt"][kind]))
+        pairs = [(name, [b[key] / a[key] if rate else a[key] / b[key] for a, b in both]) for key, name, rate in keys]
+        if not args.no_cli:
+            cli = samples["cli"][kind]
+            pairs += [("one CLI call", [c["llama_cli_s"] / c["minigpt_cli_s"] for c in cli]),
+                      ("CLI decode", [c["minigpt_cli_decode"] / c["llama_cli_decode"] for c in cli])]
+        lines.append(f"  {kind}: " + "; ".join(f"{name} {'/'.join(f'{r:.2f}' for r in rs)} "
+                                               f"({statistics.median(rs):.2f})" for name, rs in pairs))
+    return "\n".join(lines)
 
 
 def table(samples: dict, types: list[str], args) -> str:
@@ -462,15 +478,16 @@ def main() -> int:
                     f"{samples['minigpt'][kind][-1]}" + ("" if args.no_cli else f" | {samples['cli'][kind][-1]}")
                     + (f" | {samples['chat'][kind][-1]}" if args.chat else ""))
     report = table(samples, types, args)
+    loads = [" ".join(f"{x:.2f}" for x in avg) for avg in (load_before, os.getloadavg())]
     restricted = ("; both sides restricted to AVX2 (llama.cpp built for it, MiniGPT under ATEN_CPU_CAPABILITY=avx2, "
                   "ONEDNN_MAX_CPU_ISA=AVX2 and MKL_ENABLE_INSTRUCTIONS=AVX2)") if args.isa == "avx2" else ""
     footer = (f"\n{cpu}; {args.threads} threads; torch {torch.__version__}; {args.rounds} interleaved round(s), "
               f"medians; MiniGPT in-process {'eager' if args.no_compile else 'compiled decode step'}"
               f"{'' if args.no_compile else (' (torch.compile)' if args.no_aoti else ' (AOTInductor)')}, CLI "
-              f"{'--compile' if args.cli_compile else 'eager'}; load average {_load(load_before)} -> {_load(os.getloadavg())}; "
+              f"{'--compile' if args.cli_compile else 'eager'}; load average {loads[0]} -> {loads[1]}; "
               f"weights {args.preset or args.model}; llama.cpp from {tree.parents[1].name}"
               f"{' built without AMX' if args.no_amx and args.isa != 'avx2' else ''}{restricted}")
-    print(report + footer)
+    print(report + footer + "\n" + round_ratios(samples, types, args))
     if args.json_path:
         from minigpt.paths import write_output
 
