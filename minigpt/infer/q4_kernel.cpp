@@ -78,9 +78,10 @@ inline float quantize_group(const float* xs, int64_t group, int8_t* q, int32_t* 
 }
 
 // The same numbers eight values at a time (group a multiple of 8): the maximum is exact in any order, the products
-// are the same float32 multiplies, and vroundps rounds half to even as nearbyint does in the default mode. Why:
-// the scalar loop calls libm's nearbyintf once per value; at one activation row that was ~0.3 ms of a 6 ms int4
-// SmolLM-135M token on a 2-core Zen 3 EPYC (120 products a token), all of it on one thread.
+// are the same float32 multiplies, and vroundps rounds half to even as nearbyint does in the default mode. Why: the
+// scalar loop calls libm's nearbyintf once per value, on the calling thread while the others wait: SmolLM-135M's
+// int4 decode took 5.91 ms a token with it, 4.65-4.81 ms with this, on a 2-core Zen 3 EPYC (120 products a token;
+// separate processes, docs/benchmarks.md, session 67).
 __attribute__((target("avx2,fma"))) float quantize_group_avx2(const float* xs, int64_t group, int8_t* q,
                                                               int32_t* sum) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -175,7 +176,7 @@ void block_scalar(const Args& a) {
 // 3810 = 30480 < 32767: exact) before one `vpmaddwd` by ones widens them to the 32-bit sums of each row. Adding
 // the pairs in 16 bits, not widening every chunk, and (for up to two activation rows) both halves of a block in one
 // pass, sharing the activation broadcasts: SmolLM-135M's 120 layer matrices, one row, 2 threads, on a 2-core
-// AVX2-only Zen 3 EPYC: 3.0-3.6 -> 2.3-3.0 ms a pass (docs/benchmarks.md, session 67). The integers are the same,
+// AVX2-only Zen 3 EPYC: 3.0-3.6 -> 2.3-3.2 ms a pass (docs/benchmarks.md, session 67). The integers are the same,
 // and so are the floats: each group's sum meets its scale in the same fused multiply-add as before.
 constexpr int64_t kSum16 = 4;
 
