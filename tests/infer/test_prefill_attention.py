@@ -44,13 +44,18 @@ def test_blocked_gemms_give_causal_attention_and_never_read_past_the_new_positio
     torch.testing.assert_close(got.double(), _reference(q, keys, values, start_pos), atol=2e-6, rtol=2e-6)
 
 
-@pytest.mark.parametrize("setting, dtype, seq_len, grad, want", [
-    ("onednn", torch.float32, 256, False, True), ("onednn", torch.float32, 255, False, False),
-    ("mkl", torch.float32, 512, False, False), ("onednn", torch.bfloat16, 512, False, False),
-    ("onednn", torch.float32, 512, True, False)])
-def test_it_is_wanted_for_long_float32_prefills_where_float32_products_go_to_onednn(monkeypatch, setting, dtype,
-                                                                                   seq_len, grad, want):
+AVX512 = frozenset({"avx2", "avx512f"})
+
+
+@pytest.mark.parametrize("setting, dtype, seq_len, grad, flags, want", [
+    ("onednn", torch.float32, 256, False, AVX512, True), ("onednn", torch.float32, 255, False, AVX512, False),
+    ("mkl", torch.float32, 512, False, AVX512, False), ("onednn", torch.bfloat16, 512, False, AVX512, False),
+    ("onednn", torch.float32, 512, True, AVX512, False), ("onednn", torch.float32, 512, False, {"avx2"}, False)])
+def test_it_is_wanted_for_long_float32_prefills_where_float32_products_go_to_onednn_on_avx512(
+        monkeypatch, setting, dtype, seq_len, grad, flags, want):
+    """Without AVX-512 (an AVX2-only CPU, or $ATEN_CPU_CAPABILITY=avx2) SDPA's flash kernel is the faster."""
     monkeypatch.setenv(kernels.FP32_GEMM_ENV, setting)
+    monkeypatch.setattr(prefill_attention, "cpu_flags", lambda: flags)
     q = torch.zeros(1, seq_len, 4, 16, dtype=dtype, requires_grad=grad)
     assert prefill_attention.wanted(q, seq_len) is want
 
@@ -60,6 +65,7 @@ def test_a_fast_path_prefill_takes_it_and_gives_the_models_logits(monkeypatch, d
     """A plain causal prefill and a second chunk after it (start_pos > 0) go through the kernel, a padded batch
     does not; the logits are the model's own (its eager forward) to float32 rounding."""
     monkeypatch.setenv(kernels.FP32_GEMM_ENV, "onednn")
+    monkeypatch.setattr(prefill_attention, "cpu_flags", lambda: AVX512)  # the kernel on any CPU: its numbers
     monkeypatch.setattr(prefill_attention, "MIN_TOKENS", 8)
     monkeypatch.setattr(prefill_attention, "QUERY_BLOCK", 16)
     calls = []
