@@ -36,10 +36,11 @@ ENV = "MINIGPT_COMPILE_CACHE"
 FORMAT = 1  # of bundles and of launch_key: bump when either changes
 _PACKAGE = Path(__file__).resolve().parents[1]  # minigpt/
 # The runner library's sources, compiled into one library: the runner, and the kernels it and Python processes
-# register for the `minigpt::q4_mm`, `minigpt::w8a8_mm` and `minigpt::woq8_mm` ops.
+# register for the `minigpt::q4_mm`, `minigpt::w8a8_mm`, `minigpt::woq8_mm`, `minigpt::float_mv` and
+# `minigpt::causal_attention` ops.
 RUNNER_SOURCES = tuple(_PACKAGE / "infer" / name
                        for name in ("native_runner.cpp", "q4_kernel.cpp", "w8a8_kernel.cpp", "woq8_kernel.cpp",
-                                    "float_kernel.cpp"))
+                                    "float_kernel.cpp", "attention_kernel.cpp"))
 RUNNER_HEADERS = (_PACKAGE / "infer" / "runner_ops.h",)  # included by the sources above
 # Their compiler flags (with the include paths and the ABI macro, minigpt.infer.fastpath.library.build_runner).
 # -fopenmp: ATen's parallel_for, which the int4 kernel's threads come from, is OpenMP inlined from the headers and
@@ -173,6 +174,14 @@ def install_float_kernel(library: Path) -> None:
     in this Python process, with the ``minigpt::float_mv_isa`` op naming the instruction set it runs. Raises
     :class:`NativeError` when the library cannot be loaded or the op already has another CPU kernel here."""
     _install(library, "mg_float_install")
+
+
+def install_attention_kernel(library: Path) -> None:
+    """Make the runner library's C++ function (``attention_kernel.cpp``) the CPU kernel of
+    ``minigpt::causal_attention`` (float32 causal prefill attention: :mod:`minigpt.infer.fastpath.prefill_attention`)
+    in this Python process, with the ``minigpt::attention_isa`` op naming the instruction set it runs. Raises
+    :class:`NativeError` when the library cannot be loaded or the op already has another CPU kernel here."""
+    _install(library, "mg_attention_install")
 
 
 def _install(library: Path, symbol: str) -> None:

@@ -64,8 +64,9 @@ def float_mv_wanted(projections) -> bool:
     of one stream on the Zen 5, so not kept). Not on AMD CPUs without AVX-512 either: on a 2-core AVX2-only Zen 3
     EPYC (family 25 model 1) the loops decoded 1.12x and 1.09x the kernel (paired medians of 9 and 11 alternating
     128-token runs in one process, the same tokens; `minigpt generate --compile` 1.03x, medians of 5 alternating
-    calls; session 68). Not float32: on the Zen 5 its package compiled in 58.4 s instead of 99.6, but decoded at 0.86-1.11x in process (median 0.98 over 7 runs; 0.98 again in session 61) and the CLI call
-    took 2.44 against 2.22 s; the proxy executor through which AOTInductor calls the op is not the cause (0.45 us a
+    calls; session 68). Not float32: on the Zen 5 its package compiled in 58.4 s instead of 99.6, but decoded at
+    0.86-1.11x in process (median 0.98 over 7 runs; 0.98 again in session 61) and the CLI call took 2.44 against
+    2.22 s; the proxy executor through which AOTInductor calls the op is not the cause (0.45 us a
     call more than a C shim on the Sapphire Rapids, about 55 us of a 12 ms token). Not ``torch.compile``'s steps:
     their Python wrapper makes each call a round trip, fp32 decode 0.92x (docs/benchmarks.md, sessions 59-61)."""
     choice = os.environ.get(FLOAT_MV_ENV, "").strip()

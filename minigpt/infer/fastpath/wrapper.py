@@ -325,8 +325,8 @@ class FastPath(nn.Module):
                                                      enable_gqa=self.n_rep > 1).transpose(1, 2)
             elif seq_len == 1:
                 out = self._attend_one(q, keys, values, key_valid)
-            elif plain_causal and prefill_attention.wanted(q, seq_len):  # oneDNN's GEMMs, not oneMKL's AVX2 code
-                out = prefill_attention.causal_attention(q, keys, values, self.scale, start_pos)
+            elif plain_causal and (kernel := prefill_attention.choice(q, seq_len, nkv)) is not None:
+                out = kernel(q, keys, values, self.scale, start_pos)  # oneDNN's GEMMs or MiniGPT's AVX2 kernel
             else:
                 out = F.scaled_dot_product_attention(
                     q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None and start_pos == 0,
