@@ -47,7 +47,6 @@
 namespace {
 
 using minigpt_ops::kAvx2;
-using minigpt_ops::kScalar;
 
 constexpr int kBlockQ = 16;   // new positions a task
 constexpr int kBlockK = 64;   // keys a block

@@ -70,7 +70,8 @@ def wanted(q: torch.Tensor, seq_len: int) -> bool:
     :func:`causal_attention`: float32 queries on the CPU, no gradient, at least :data:`MIN_TOKENS` positions,
     float32 products through oneDNN here (:func:`~minigpt.infer.fastpath.kernels.fp32_gemm_library`: AMD CPUs, or
     ``$MINIGPT_FP32_GEMM=onednn``) and a CPU with AVX-512 (:func:`~minigpt.runtime.cpu_flags`, which
-    ``$ATEN_CPU_CAPABILITY=avx2`` caps): elsewhere SDPA's flash kernel is the faster (module docstring)."""
+    ``$ATEN_CPU_CAPABILITY=avx2`` caps): without it SDPA's flash kernel beat them, and MiniGPT's own kernel beats
+    both (:func:`flash_wanted`)."""
     return (seq_len >= MIN_TOKENS and q.dtype == torch.float32 and q.device.type == "cpu"
             and not (torch.is_grad_enabled() and q.requires_grad) and fp32_gemm_library() == "onednn"
             and "avx512f" in cpu_flags())
