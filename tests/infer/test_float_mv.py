@@ -108,17 +108,18 @@ AVX2 = frozenset({"avx2", "fma"})
 
 
 @pytest.mark.parametrize("vendor, flags, setting, used", [
-    ("AuthenticAMD", AVX512, None, True), ("AuthenticAMD", AVX2, None, False), ("GenuineIntel", AVX512, None, False),
+    ("AuthenticAMD", AVX512, None, True), ("AuthenticAMD", AVX2, None, True), ("GenuineIntel", AVX512, None, False),
     ("GenuineIntel", AVX2, "1", True), ("AuthenticAMD", AVX2, "1", True), ("AuthenticAMD", AVX512, "0", False),
     ("GenuineIntel", AVX512, "yes", False)])
-def test_the_kernel_is_used_by_default_on_amd_cpus_with_avx512_only(monkeypatch, vendor, flags, setting, used):
-    """Where a bf16 package goes through the kernel: AMD CPUs with AVX-512 by default (measured neutral there;
-    slower than the loops on a Sapphire Rapids and on an AVX2-only Zen 3: float_mv_wanted says why), any CPU with
-    $MINIGPT_FLOAT_MV=1, none with 0."""
+def test_the_kernel_is_used_by_default_on_amd_cpus(monkeypatch, vendor, flags, setting, used):
+    """Where a bf16 package goes through the kernel: AMD CPUs by default, with AVX-512 or AVX2 only (measured
+    neutral against the loops on a Zen 5 and, at 135M, a Zen 3, faster at 1.1B on the Zen 3; slower than the loops
+    on a Sapphire Rapids: float_mv_wanted says why), any CPU with $MINIGPT_FLOAT_MV=1, none with 0."""
     if float_mv_kernel() in (None, "scalar"):
         pytest.skip("the kernel is not vectorised here")
     monkeypatch.setattr(float_mv, "cpu_vendor", lambda: vendor)
-    monkeypatch.setattr(float_mv, "cpu_flags", lambda: flags)
+    # The rule reads no flags now; were it to again (session 68's did: AVX-512 only), AVX2 AMD cases would fail.
+    monkeypatch.setattr(float_mv, "cpu_flags", lambda: flags, raising=False)
     if setting is None:
         monkeypatch.delenv(FLOAT_MV_ENV, raising=False)
     else:

@@ -17,7 +17,7 @@ import torch
 
 from minigpt.infer.fastpath.library import runner_kernel
 from minigpt.infer.launcher import install_float_kernel
-from minigpt.runtime import cpu_flags, cpu_vendor
+from minigpt.runtime import cpu_vendor
 
 FLOAT_MV_ENV = "MINIGPT_FLOAT_MV"
 
@@ -48,8 +48,8 @@ def float_mv_kernel() -> Optional[str]:
 def float_mv_wanted(projections) -> bool:
     """Whether an AOTInductor step sends its float projections through ``minigpt::float_mv``: some of
     ``projections`` (Proj objects) have bfloat16 weights, the C++ kernel is vectorised here (:func:`float_mv_kernel`;
-    building it the first time takes ~25 s), and the CPU is AMD's with AVX-512 (:func:`~minigpt.runtime.cpu_flags`,
-    which ``$ATEN_CPU_CAPABILITY=avx2`` caps) or ``$MINIGPT_FLOAT_MV`` is ``1`` (``$MINIGPT_FLOAT_MV=0``: never).
+    building it the first time takes ~25 s), and the CPU is AMD's (:func:`~minigpt.runtime.cpu_vendor`) or
+    ``$MINIGPT_FLOAT_MV`` is ``1`` (``$MINIGPT_FLOAT_MV=0``: never).
     Else the step writes its float products as per-row reductions that Inductor turns into loops
     (:func:`~minigpt.infer.fastpath.kernels.decode_linear`).
 
@@ -61,16 +61,18 @@ def float_mv_wanted(projections) -> bool:
     2-core Sapphire Rapids (family 6 model 207) the same package decoded 0.74x of the loops (46.4 against 64.2
     tokens/s, paired medians of 9; 0.59x with the kernel capped to AVX2), the loops reading 8 blocks of rows at once
     where the kernel reads one row after another (4-16 blocks at once in the kernel: 0.93-0.94x there, and 0.68-0.75x
-    of one stream on the Zen 5, so not kept). Not on AMD CPUs without AVX-512 either: on a 2-core AVX2-only Zen 3
-    EPYC (family 25 model 1) the loops decoded 1.12x and 1.09x the kernel (paired medians of 9 and 11 alternating
-    128-token runs in one process, the same tokens; `minigpt generate --compile` 1.03x, medians of 5 alternating
-    calls; session 68). Not float32: on the Zen 5 its package compiled in 58.4 s instead of 99.6, but decoded at
-    0.86-1.11x in process (median 0.98 over 7 runs; 0.98 again in session 61) and the CLI call took 2.44 against
-    2.22 s; the proxy executor through which AOTInductor calls the op is not the cause (0.45 us a
-    call more than a C shim on the Sapphire Rapids, about 55 us of a 12 ms token). Not ``torch.compile``'s steps:
+    of one stream on the Zen 5, so not kept). On a 2-core AVX2-only Zen 3 EPYC (family 25 model 1) the loops
+    decoded 1.09-1.13x the kernel at SmolLM-135M's shape (paired medians of 9 and 11 alternating 128-token runs in
+    one process, the same tokens; sessions 68-69), so AMD CPUs without AVX-512 took the loops for a session; since
+    the kernel asks for its bf16 rows 1 KB ahead (session 69) the loops decode 0.98x and 1.03x the kernel there at
+    135M and 0.74x at 1.1B (the kernel 16.3 against 12.1 tokens/s, paired median of 5). Not float32: on the Zen
+    5 its package compiled in 58.4 s instead of 99.6, but decoded at 0.86-1.11x in process (median 0.98 over 7
+    runs; 0.98 again in session 61) and the CLI call took 2.44 against 2.22 s; the proxy executor through which
+    AOTInductor calls the op is not the cause (0.45 us a call more than a C shim on the Sapphire Rapids, about 55
+    us of a 12 ms token). Not ``torch.compile``'s steps:
     their Python wrapper makes each call a round trip, fp32 decode 0.92x (docs/benchmarks.md, sessions 59-61)."""
     choice = os.environ.get(FLOAT_MV_ENV, "").strip()
-    if choice == "0" or (choice != "1" and (cpu_vendor() != "AuthenticAMD" or "avx512f" not in cpu_flags())):
+    if choice == "0" or (choice != "1" and cpu_vendor() != "AuthenticAMD"):
         return False
     if not any(p.scale is None and p.weight is not None and p.weight.dtype == torch.bfloat16 for p in projections):
         return False
