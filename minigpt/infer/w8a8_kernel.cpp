@@ -1,8 +1,8 @@
 // MiniGPT's own int8 x int8 product for a few activation rows (decode steps): the kernel the op minigpt::w8a8_mm
 // (native_runner.cpp) uses for up to 4 rows on a CPU with AVX512-VNNI, in place of FBGEMM's, and for every call on a
-// CPU with AVX2 but not VNNI, where FBGEMM's product is not exact (rows_avx2 below). It reads the
-// int8 matrix as it lies in memory, row by row, so nothing has to be repacked when a bundle is opened: FBGEMM's
-// packing of SmolLM-135M's int8 matrices took 0.5-0.75 s of a ~2 s one-shot CLI call (docs/benchmarks.md).
+// CPU with AVX2 but not VNNI, where FBGEMM's product is not exact (rows_avx2_bytes and rows_avx2 below). It reads the
+// int8 matrix as it lies in memory, row by row, so nothing has to be repacked when a bundle is opened: FBGEMM's packing
+// of SmolLM-135M's int8 matrices took 0.5-0.75 s of a ~2 s one-shot CLI call (docs/benchmarks.md).
 //
 // What it computes, bit for bit what FBGEMM's quantized::linear_with_input_q_dq_qweight_dq_output_fp32 computes
 // with input scale 1 and zero point 128 (minigpt/infer/fastpath/library.py, w8a8_linear):
@@ -29,17 +29,24 @@
 // measured 30 GB/s there (docs/benchmarks.md, session 56).
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 namespace minigpt_w8a8 {
 
 enum Isa { kNone = 0, kAvx2 = 1, kVnni = 2 };
 
 constexpr int kMaxRows = 4;  // activation rows sharing one pass over the weights
+// Weight rows per block when a call has more activation rows than one pass takes (product): 16 rows of 2,048 bytes
+// fill L1 beside four activation rows. On the 2-core Zen 3 EPYC (family 25 model 1), 512 rows through TinyLlama-1.1B's
+// int8 layer matrices (session 70): 16 rows 1.49-1.54x the float32 GEMM on upcast weights, 64 rows 1.51x, 8 and 32
+// 1.19-1.20x (one run each, the host noisy).
+constexpr int64_t kBlockRows = 16;
 // Bytes ahead of the weight read to prefetch. With four rows read side by side (before session 56) the product ran
 // no faster than FBGEMM's without it (SmolLM-135M's 120 layer matrices, one row, 2 threads, Xeon model 207: 1.00x
 // FBGEMM; 4 KB 1.44x, 8 KB 1.52x). Rows in turn, on the Zen 4 EPYC: 3.6-4.9 ms a token at 4 KB, 3.8-4.6 without.
@@ -69,6 +76,7 @@ Isa isa() {
 }
 
 bool available() { return isa() != kNone; }
+
 
 const char* isa_name() { return isa() == kVnni ? "avx512_vnni" : isa() == kAvx2 ? "avx2" : "fbgemm"; }
 
@@ -163,10 +171,11 @@ __attribute__((target("avx2"))) inline __m256i widen(const int8_t* p) {
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// AVX2 has no byte dot product that cannot saturate (`vpmaddubsw` adds pairs in 16 bits: 2 x 255 x 127 > 32767,
-// why FBGEMM's AVX2 product is not exact), so both operands are widened to 16 bits (`vpmovsxbw`) and multiplied
-// with `vpmaddwd`, pairs summed into int32: exact for every pair of int8 values, and signed x signed, so no offset.
-// 32 inputs per iteration (two 16-input halves), weight rows in turn as above; a row's eight lanes summed at its
+// AVX2 has no byte dot product that cannot saturate on every pair of int8 values (`vpmaddubsw` adds pairs in 16 bits:
+// 2 x 255 x 127 > 32767, why FBGEMM's AVX2 product is not exact), so here both operands are widened to 16 bits
+// (`vpmovsxbw`) and multiplied with `vpmaddwd`, pairs summed into int32: exact for every pair, and signed x signed, so
+// no offset. The path of passes with an activation of -128; rows_avx2_bytes below takes the others. 32 inputs per
+// iteration (two 16-input halves), weight rows in turn as above; a row's eight lanes summed at its
 // end, inputs past the last multiple of 32 one by one.
 template <int M>
 __attribute__((target("avx2"))) void rows_avx2(const int8_t* q, const int32_t* qsum, int64_t padded, const int8_t* w,
@@ -194,18 +203,87 @@ __attribute__((target("avx2"))) void rows_avx2(const int8_t* q, const int32_t* q
   }
 }
 
+// Bytes ahead of the weight read to prefetch on the byte-product path below. Measured on the 2-core AVX2-only Zen 3
+// EPYC (family 25 model 1) in a standalone copy over TinyLlama-1.1B's 88 layer matrices (969 MB), one activation row,
+// 2 threads, the variants alternating (session 70, medians of 20 paired ratios to rows_avx2 with its 4 KB): 1 KB ahead
+// 1.11x (1.07x in a second series of 30), 768 bytes 1.08x, none 1.03x, 4 KB into L2 0.96x; a plain sum of the same
+// bytes 1.13x (1.12x).
+constexpr std::uintptr_t kPrefetchBytes = 1024;
+
+// The same exact sums with `vpmaddubsw` (unsigned x signed bytes, pairs added in 16 bits) where no activation of the
+// pass is -128: |w| is the unsigned side (0..128, 128 for -128 read as unsigned), q with w's sign the signed side
+// (`vpsignb`: -127..127 while q > -128), so a pair's sum is at most 2 x 128 x 127 = 32512 in size, below 32767;
+// `vpmaddwd` by ones adds the pairs into int32. 64 bytes of weights take two loads, two `vpsignb` for |w| and two
+// `vpsignb`, `vpmaddubsw`, `vpmaddwd`, `vpaddd` per activation row, where rows_avx2 widens all four 16-byte halves
+// first. Why: on the Zen 3 above it streams the int8 matrices at 1.07-1.11x rows_avx2's rate (kPrefetchBytes), 0.98x
+// a plain read of them. An activation of -128 (an input at or below -127.5 x its row's scale, which w8a8_linear's
+// scaling never makes: it divides by max|x| / 127) would lose its sign there, so such a pass takes rows_avx2.
+template <int M>
+__attribute__((target("avx2"))) inline void bytes_step(const int8_t* q, int64_t padded, const int8_t* w, __m256i ones,
+                                                       __m256i (&acc)[M][2], int chain) {
+  const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i mag = _mm256_sign_epi8(wv, wv);
+  for (int m = 0; m < M; ++m) {
+    const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + m * padded));
+    const __m256i pairs = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(qv, wv));  // w x q, two by two
+    acc[m][chain] = _mm256_add_epi32(acc[m][chain], _mm256_madd_epi16(pairs, ones));
+  }
+}
+
+template <int M>
+__attribute__((target("avx2"))) void rows_avx2_bytes(const int8_t* q, const int32_t* qsum, int64_t padded,
+                                                     const int8_t* w, int64_t in, const float* scale, int64_t n0,
+                                                     int64_t n1, float* y, int64_t ldy) {
+  (void)qsum;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t wide = in / 64 * 64, full = in / 32 * 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = w + n * in;
+    __m256i acc[M][2];
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+    int64_t k = 0;
+    for (; k < wide; k += 64) {
+      // an integer address: the line ahead may lie past the matrix, where no pointer may point
+      _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<std::uintptr_t>(row + k) + kPrefetchBytes),
+                   _MM_HINT_T0);
+      bytes_step<M>(q + k, padded, row + k, ones, acc, 0);
+      bytes_step<M>(q + k + 32, padded, row + k + 32, ones, acc, 1);
+    }
+    if (k < full) bytes_step<M>(q + k, padded, row + k, ones, acc, 0);
+    for (int m = 0; m < M; ++m) {
+      int32_t total = sum_lanes(_mm256_add_epi32(acc[m][0], acc[m][1]));
+      for (int64_t k = full; k < in; ++k) total += static_cast<int32_t>(q[m * padded + k]) * row[k];
+      y[m * ldy + n] = static_cast<float>(total) * scale[n];
+    }
+  }
+}
+
 // Output rows [n0, n1) of the product (y[m * ldy + n]) for `rows` activation rows, q and qsum from quantize, kMaxRows
-// activation rows per pass over the weights.
+// activation rows per pass over the weights. More rows than one pass takes (a prompt): the weights a block of
+// kBlockRows rows at a time, every pass over one block before the next, so that the block stays in cache while the
+// activations stream past, where a pass over all of [n0, n1) for each kMaxRows rows would read the matrix from
+// memory rows / kMaxRows times.
 void product(const int8_t* q, const int32_t* qsum, int64_t rows, int64_t padded, const int8_t* w, int64_t in,
              const float* scale, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   using Pass = void (*)(const int8_t*, const int32_t*, int64_t, const int8_t*, int64_t, const float*, int64_t,
                         int64_t, float*, int64_t);
   static const Pass vnni[kMaxRows] = {rows_vnni<1>, rows_vnni<2>, rows_vnni<3>, rows_vnni<4>};
   static const Pass avx2[kMaxRows] = {rows_avx2<1>, rows_avx2<2>, rows_avx2<3>, rows_avx2<4>};
-  const Pass* passes = isa() == kVnni ? vnni : avx2;
+  static const Pass bytes[kMaxRows] = {rows_avx2_bytes<1>, rows_avx2_bytes<2>, rows_avx2_bytes<3>,
+                                       rows_avx2_bytes<4>};
+  std::vector<Pass> passes;  // one per kMaxRows activation rows
   for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
-    int64_t n = rows - m0 < kMaxRows ? rows - m0 : kMaxRows;
-    passes[n - 1](q + m0 * padded, qsum + m0, padded, w, in, scale, n0, n1, y + m0 * ldy, ldy);
+    const int64_t n = std::min<int64_t>(kMaxRows, rows - m0);
+    bool bottom = false;  // an activation of -128 in the pass: rows_avx2_bytes would get its sign wrong
+    for (int64_t m = m0; m < m0 + n && !bottom && isa() != kVnni; ++m)
+      bottom = std::memchr(q + m * padded, 0x80, in) != nullptr;
+    passes.push_back((isa() == kVnni ? vnni : bottom ? avx2 : bytes)[n - 1]);
+  }
+  const int64_t block = rows <= kMaxRows ? n1 - n0 : kBlockRows;
+  for (int64_t b0 = n0; b0 < n1; b0 += block) {
+    const int64_t b1 = std::min(n1, b0 + block);
+    for (int64_t m0 = 0, g = 0; m0 < rows; m0 += kMaxRows, ++g)
+      passes[g](q + m0 * padded, qsum + m0, padded, w, in, scale, b0, b1, y + m0 * ldy, ldy);
   }
 }
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minigpt.infer.fastpath.library import OWN_INT8, aten_woq_linear, q4_linear, w8a8_linear
+from minigpt.infer.fastpath.library import aten_woq_linear, q4_linear, w8a8_linear
 from minigpt.model.quant import Int4Linear, Int8Linear, dequantize_weight_int4, int8_linear
 from minigpt.runtime import cpu_vendor, native_bf16
 
@@ -150,8 +150,9 @@ class Proj:
         int8 weights packed for FBGEMM (:func:`w8a8_layout`): any number of rows through :func:`w8a8_linear`, so
         that a row's result never depends on how many rows share the call (a prompt prefilled beside others, a
         chunked prefill, a decode step: the same numbers); held by MiniGPT's kernel alone
-        (:data:`~minigpt.infer.fastpath.library.OWN_INT8`, AVX2 without VNNI): up to :data:`DECODE_ROWS_MAX` rows so,
-        more through the float path below. int4 weights in MiniGPT's int4 x int8 layout
+        (:data:`~minigpt.infer.fastpath.library.OWN_INT8`, AVX2 without VNNI): any number of rows too (a 512-row
+        prompt through TinyLlama-1.1B's int8 matrices: ~1.5x the float32 GEMM on weights upcast a slice at a time,
+        2-core Zen 3 EPYC, docs/benchmarks.md). int4 weights in MiniGPT's int4 x int8 layout
         (:func:`~minigpt.infer.fastpath.library.q4_layout`): up to :data:`INT4_ATEN_ROWS_MAX` rows through
         :func:`~minigpt.infer.fastpath.library.q4_linear`, as in the compiled step, and any number of rows on a CPU
         without native bf16 (where the dequantized GEMM below would be a float32 one, slower than the kernel).
@@ -160,9 +161,8 @@ class Proj:
         numerics); more rows through the dequantized GEMM, in bf16 on CPUs with native bf16, else in float32,
         converting a slice of rows at a time (:meth:`_gemm`)."""
         w, rows = self.weight, x.numel() // x.shape[-1]
-        if self.w8a8 is not None and (self.w8a8 is not OWN_INT8 or rows <= DECODE_ROWS_MAX):
-            return w8a8_linear(self, x)  # as in the compiled step: FBGEMM for every row count, MiniGPT's kernel alone
-            # (AVX2 without VNNI) for a few
+        if self.w8a8 is not None:  # as in the compiled step: FBGEMM, or MiniGPT's kernel alone (AVX2 without VNNI)
+            return w8a8_linear(self, x)
         if self.q4 and (rows <= INT4_ATEN_ROWS_MAX or not native_bf16("cpu")):  # int4 x int8, as in the compiled
             return q4_linear(self, x)  # step; more rows too where the dequantized GEMM would run in float32
         group_size = self.group_size

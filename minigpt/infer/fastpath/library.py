@@ -66,7 +66,7 @@ def w8a8_wanted(kernel: str) -> bool:
 class OwnInt8:
     """What :attr:`Proj.w8a8` holds for an int8 matrix that MiniGPT's C++ kernel multiplies in place for every row
     count (``minigpt::w8a8_mm``; CPUs with AVX2 but not AVX512-VNNI, where FBGEMM's product is not exact): there is
-    no packed copy. Eager products of more than a few rows (prefill) stay on the float path."""
+    no packed copy. Eager products of any number of rows (prefill too) go through that kernel."""
 
     __slots__ = ()
 
