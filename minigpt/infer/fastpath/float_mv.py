@@ -69,8 +69,8 @@ def float_mv_wanted(projections) -> bool:
     5 its package compiled in 58.4 s instead of 99.6, but decoded at 0.86-1.11x in process (median 0.98 over 7
     runs; 0.98 again in session 61) and the CLI call took 2.44 against 2.22 s; the proxy executor through which
     AOTInductor calls the op is not the cause (0.45 us a call more than a C shim on the Sapphire Rapids, about 55
-    us of a 12 ms token). Not ``torch.compile``'s steps:
-    their Python wrapper makes each call a round trip, fp32 decode 0.92x (docs/benchmarks.md, sessions 59-61)."""
+    us of a 12 ms token). Not ``torch.compile``'s steps: their Python wrapper makes each call a round trip, fp32
+    decode 0.92x (docs/benchmarks.md, sessions 59-61)."""
     choice = os.environ.get(FLOAT_MV_ENV, "").strip()
     if choice == "0" or (choice != "1" and cpu_vendor() != "AuthenticAMD"):
         return False
