@@ -43,9 +43,9 @@ enum Isa { kNone = 0, kAvx2 = 1, kVnni = 2 };
 
 constexpr int kMaxRows = 4;  // activation rows sharing one pass over the weights
 // Weight rows per block when a call has more activation rows than one pass takes (product): 16 rows of 2,048 bytes
-// (32 KB) stay in L1 and L2 while every pass reads them. On the 2-core Zen 3 EPYC (family 25 model 1), 512 rows through TinyLlama-1.1B's
-// int8 layer matrices (session 70): 16 rows 1.49-1.54x the float32 GEMM on upcast weights, 64 rows 1.51x, 8 and 32
-// 1.19-1.20x (one run each, the host noisy).
+// (32 KB) stay in L1 and L2 while every pass reads them. On the 2-core Zen 3 EPYC (family 25 model 1), 512 rows
+// through TinyLlama-1.1B's int8 layer matrices (session 70): 16 rows 1.49-1.54x the float32 GEMM on upcast weights,
+// 64 rows 1.51x, 8 and 32 1.19-1.20x (one run each, the host noisy).
 constexpr int64_t kBlockRows = 16;
 // Bytes ahead of the weight read to prefetch. With four rows read side by side (before session 56) the product ran
 // no faster than FBGEMM's without it (SmolLM-135M's 120 layer matrices, one row, 2 threads, Xeon model 207: 1.00x
@@ -81,8 +81,8 @@ const char* isa_name() { return isa() == kVnni ? "avx512_vnni" : isa() == kAvx2 
 
 // Round `rows` rows of x ([rows, in]) to int8 into q ([rows, padded], padded = in rounded up to 64, zeros after
 // `in`) and each row's sum into sum: FBGEMM's steps, vectorised as it vectorises them.
-__attribute__((target("avx512f,avx512bw"))) void quantize_avx512(const float* x, int64_t rows, int64_t in, int64_t padded,
-                                                           int8_t* q, int32_t* sum) {
+__attribute__((target("avx512f,avx512bw"))) void quantize_avx512(const float* x, int64_t rows, int64_t in,
+                                                                  int64_t padded, int8_t* q, int32_t* sum) {
   const __m512 zero_point = _mm512_set1_ps(128.0f), top = _mm512_set1_ps(255.0f), bottom = _mm512_setzero_ps();
   for (int64_t m = 0; m < rows; ++m) {
     __m512i s = _mm512_setzero_si512();
