@@ -51,9 +51,9 @@
 namespace minigpt_w8a8 {  // w8a8_kernel.cpp
 bool available();
 const char* isa_name();
-void quantize(const float* x, int64_t rows, int64_t in, int64_t padded, int8_t* q, int32_t* sum);
-void product(const int8_t* q, const int32_t* qsum, int64_t rows, int64_t padded, const int8_t* w, int64_t in,
-             const float* scale, int64_t n0, int64_t n1, float* y, int64_t ldy);
+void quantize(const float* x, int64_t rows, int64_t in, int64_t padded, int8_t* q, int32_t* sum, uint8_t* low);
+void product(const int8_t* q, const int32_t* qsum, const uint8_t* low, int64_t rows, int64_t padded, const int8_t* w,
+             int64_t in, const float* scale, int64_t n0, int64_t n1, float* y, int64_t ldy);
 }  // namespace minigpt_w8a8
 
 namespace {
@@ -81,6 +81,7 @@ std::mutex op_mutex;
 std::unique_ptr<torch::Library> op_definition, op_implementation;
 
 constexpr int64_t kOwnRows = 4;  // calls of up to this many rows take MiniGPT's kernel (decode steps)
+constexpr int64_t kQuantizeGrain = 16;  // activation rows per thread's share of the quantizer, at least
 constexpr long kGrowColumns = 64;  // the cache grows by at least this (launcher.CACHE_BUCKET, its lengths)
 
 // MiniGPT's kernel (w8a8_kernel.cpp): the same numbers as FBGEMM's, read from the matrix in place.
@@ -93,13 +94,19 @@ at::Tensor own_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   if (rows == 0 || out == 0) return y;
   std::vector<int8_t> q(static_cast<size_t>(rows * padded));
   std::vector<int32_t> qsum(static_cast<size_t>(rows));
-  minigpt_w8a8::quantize(xc.data_ptr<float>(), rows, in, padded, q.data(), qsum.data());
+  std::vector<uint8_t> low(static_cast<size_t>(rows));
+  const float* xp = xc.data_ptr<float>();
+  // A prompt's rows on every thread; a decode step's few rows (fewer than the grain) inline, no parallel region.
+  at::parallel_for(0, rows, kQuantizeGrain, [&](int64_t begin, int64_t end) {
+    minigpt_w8a8::quantize(xp + begin * in, end - begin, in, padded, q.data() + begin * padded, qsum.data() + begin,
+                           low.data() + begin);
+  });
   const int8_t* w = wc.data_ptr<int8_t>();
   const float* s = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, (out + 15) / 16, 1, [&](int64_t begin, int64_t end) {  // in units of 16 rows
-    minigpt_w8a8::product(q.data(), qsum.data(), rows, padded, w, in, s, begin * 16, std::min(out, end * 16), yp,
-                          out);
+    minigpt_w8a8::product(q.data(), qsum.data(), low.data(), rows, padded, w, in, s, begin * 16,
+                          std::min(out, end * 16), yp, out);
   });
   return y;
 }
@@ -277,8 +284,8 @@ void load_bundle(Runner& r, const std::string& dir) {
 }
 
 // Enter the matrices w8a8.txt names for the op. The runner's steps multiply one row at a time, which MiniGPT's
-// kernel does from the mapped matrix itself where it runs (VNNI or AVX2): nothing to pack. Elsewhere they are packed for
-// FBGEMM on `threads` threads; FBGEMM packs a matrix on one core at ~0.1-0.2 GB/s (measured: SmolLM-135M's 28 MB
+// kernel does from the mapped matrix itself where it runs (VNNI or AVX2): nothing to pack. Elsewhere they are packed
+// for FBGEMM on `threads` threads; FBGEMM packs a matrix on one core at ~0.1-0.2 GB/s (measured: SmolLM-135M's 28 MB
 // int8 LM head 0.31-0.34 s), so matrices of kSplitRows rows or more are packed in one block of rows per thread.
 void pack_w8a8(Runner& r, const std::string& dir, int threads) {
   std::ifstream list(dir + "/w8a8.txt");

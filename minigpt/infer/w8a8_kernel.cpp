@@ -33,7 +33,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -80,12 +79,17 @@ bool available() { return isa() != kNone; }
 const char* isa_name() { return isa() == kVnni ? "avx512_vnni" : isa() == kAvx2 ? "avx2" : "fbgemm"; }
 
 // Round `rows` rows of x ([rows, in]) to int8 into q ([rows, padded], padded = in rounded up to 64, zeros after
-// `in`) and each row's sum into sum: FBGEMM's steps, vectorised as it vectorises them.
+// `in`), each row's sum into sum and whether the row holds a -128 into low (1 or 0): FBGEMM's steps, vectorised as
+// it vectorises them. Why low is noted here: the AVX2 product must know it per pass (rows_avx2_bytes), and the
+// quantizer, which writes each byte once, sees it at no cost, where a scan in `product` ran on every thread.
 __attribute__((target("avx512f,avx512bw"))) void quantize_avx512(const float* x, int64_t rows, int64_t in,
-                                                                  int64_t padded, int8_t* q, int32_t* sum) {
+                                                                  int64_t padded, int8_t* q, int32_t* sum,
+                                                                  uint8_t* low) {
   const __m512 zero_point = _mm512_set1_ps(128.0f), top = _mm512_set1_ps(255.0f), bottom = _mm512_setzero_ps();
+  const __m512i lowest = _mm512_set1_epi32(-128);
   for (int64_t m = 0; m < rows; ++m) {
     __m512i s = _mm512_setzero_si512();
+    __mmask16 seen = 0;
     for (int64_t k = 0; k < padded; k += 16) {
       // past `in`: x = 0, q = 0
       __mmask16 live = in - k >= 16 ? 0xFFFF : in > k ? static_cast<__mmask16>((1u << (in - k)) - 1) : 0;
@@ -93,9 +97,11 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_avx512(const float* x,
       t = _mm512_max_ps(_mm512_min_ps(t, top), bottom);  // min(NaN, 255) is 255, as FBGEMM's min(NaN, limit)
       __m512i r = _mm512_sub_epi32(_mm512_cvtps_epi32(t), _mm512_set1_epi32(128));  // ties to even
       s = _mm512_add_epi32(s, r);
+      seen |= _mm512_cmpeq_epi32_mask(r, lowest);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * padded + k), _mm512_cvtepi32_epi8(r));
     }
     sum[m] = _mm512_reduce_add_epi32(s);
+    low[m] = seen != 0;
   }
 }
 
@@ -110,11 +116,12 @@ __attribute__((target("avx2"))) inline int32_t sum_lanes(__m256i v) {
 // The same numbers with AVX2: eight floats at a time, four vectors of int32 narrowed to 32 bytes by saturating
 // packs (exact: every value lies in -128..127) and put back in order across the two 128-bit lanes.
 __attribute__((target("avx2"))) void quantize_avx2(const float* x, int64_t rows, int64_t in, int64_t padded,
-                                                   int8_t* q, int32_t* sum) {
+                                                   int8_t* q, int32_t* sum, uint8_t* low) {
   const __m256 zero_point = _mm256_set1_ps(128.0f), top = _mm256_set1_ps(255.0f), bottom = _mm256_setzero_ps();
   const __m256i offset = _mm256_set1_epi32(128), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i lowest = _mm256_set1_epi32(-128);
   for (int64_t m = 0; m < rows; ++m) {
-    __m256i s = _mm256_setzero_si256();
+    __m256i s = _mm256_setzero_si256(), seen = _mm256_setzero_si256();
     for (int64_t k = 0; k < padded; k += 32) {
       __m256i r[4];
       for (int j = 0; j < 4; ++j) {
@@ -125,19 +132,21 @@ __attribute__((target("avx2"))) void quantize_avx2(const float* x, int64_t rows,
         t = _mm256_max_ps(_mm256_min_ps(t, top), bottom);  // min(NaN, 255) is 255, as FBGEMM's min(NaN, limit)
         r[j] = _mm256_sub_epi32(_mm256_cvtps_epi32(t), offset);  // ties to even
         s = _mm256_add_epi32(s, r[j]);
+        seen = _mm256_or_si256(seen, _mm256_cmpeq_epi32(r[j], lowest));
       }
       __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + m * padded + k), _mm256_permutevar8x32_epi32(bytes, order));
     }
     sum[m] = sum_lanes(s);
+    low[m] = !_mm256_testz_si256(seen, seen);
   }
 }
 
-void quantize(const float* x, int64_t rows, int64_t in, int64_t padded, int8_t* q, int32_t* sum) {
+void quantize(const float* x, int64_t rows, int64_t in, int64_t padded, int8_t* q, int32_t* sum, uint8_t* low) {
   if (isa() == kVnni)
-    quantize_avx512(x, rows, in, padded, q, sum);
+    quantize_avx512(x, rows, in, padded, q, sum, low);
   else
-    quantize_avx2(x, rows, in, padded, q, sum);
+    quantize_avx2(x, rows, in, padded, q, sum, low);
 }
 
 // Output rows [n0, n1) for M activation rows: y[m * ldy + n].
@@ -257,13 +266,13 @@ __attribute__((target("avx2"))) void rows_avx2_bytes(const int8_t* q, const int3
   }
 }
 
-// Output rows [n0, n1) of the product (y[m * ldy + n]) for `rows` activation rows, q and qsum from quantize, kMaxRows
-// activation rows per pass over the weights. More rows than one pass takes (a prompt): the weights a block of
+// Output rows [n0, n1) of the product (y[m * ldy + n]) for `rows` activation rows, q, qsum and low from quantize,
+// kMaxRows activation rows per pass over the weights. More rows than one pass takes (a prompt): the weights a block of
 // kBlockRows rows at a time, every pass over one block before the next, so that the block stays in cache while the
 // activations stream past, where a pass over all of [n0, n1) for each kMaxRows rows would read the matrix from
 // memory rows / kMaxRows times.
-void product(const int8_t* q, const int32_t* qsum, int64_t rows, int64_t padded, const int8_t* w, int64_t in,
-             const float* scale, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+void product(const int8_t* q, const int32_t* qsum, const uint8_t* low, int64_t rows, int64_t padded, const int8_t* w,
+             int64_t in, const float* scale, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   using Pass = void (*)(const int8_t*, const int32_t*, int64_t, const int8_t*, int64_t, const float*, int64_t,
                         int64_t, float*, int64_t);
   static const Pass vnni[kMaxRows] = {rows_vnni<1>, rows_vnni<2>, rows_vnni<3>, rows_vnni<4>};
@@ -274,11 +283,8 @@ void product(const int8_t* q, const int32_t* qsum, int64_t rows, int64_t padded,
   for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
     const int64_t n = std::min<int64_t>(kMaxRows, rows - m0);
     const Pass* table = vnni;
-    if (isa() != kVnni) {
-      bool bottom = false;  // an activation of -128 in the pass: rows_avx2_bytes would get its sign wrong
-      for (int64_t m = m0; m < m0 + n && !bottom; ++m) bottom = std::memchr(q + m * padded, 0x80, in) != nullptr;
-      table = bottom ? avx2 : bytes;
-    }
+    if (isa() != kVnni)  // an activation of -128 in the pass: rows_avx2_bytes would get its sign wrong
+      table = std::any_of(low + m0, low + m0 + n, [](uint8_t v) { return v != 0; }) ? avx2 : bytes;
     passes.push_back(table[n - 1]);
   }
   const int64_t block = rows <= kMaxRows ? n1 - n0 : kBlockRows;

@@ -61,6 +61,16 @@ keep.append(q)
 torch.ops.minigpt.w8a8_register(q.data_ptr(), 4, 96, s)
 x = torch.tensor([[-127.0] * 96, [127.0] * 96, [-127.0, 127.0] * 48])
 print("extremes", torch.equal(torch.ops.minigpt.w8a8_mm(x, q), exact(x, q, s)))
+# a prompt's rows: quantized a share per thread (two threads, whatever the child's default), and one -128 in a late
+# pass only (row 37 of 40)
+torch.set_num_threads(2)
+torch.manual_seed(7)
+q, s = quantize_weight(torch.randn(130, 577))
+keep.append(q)
+torch.ops.minigpt.w8a8_register(q.data_ptr(), 130, 577, s)
+x = torch.randn(40, 577).clamp(-5, 5) * 20  # no -128 but the one below
+x[37, 5] = -300.0
+print("prompt", torch.equal(torch.ops.minigpt.w8a8_mm(x, q), exact(x, q, s)))
 """
 
 
@@ -76,11 +86,12 @@ def test_the_product_is_exact(capped):
     """The integer sums exact and FBGEMM's rounding of the activations, on the AVX2 path and (uncapped) on whatever
     path this CPU runs: both equal the reference computed in float64, for 1-6 rows (either path takes up to four
     per pass), inputs not a multiple of 32 (the AVX2 path's tail one by one), weights of -128, activations of -128
-    (``rows_avx2_bytes`` would lose their sign: such passes widen to 16 bits) and the largest pairs ``vpmaddubsw``
-    adds (|w| = 128 times 127)."""
+    (``rows_avx2_bytes`` would lose their sign: such passes widen to 16 bits), the largest pairs ``vpmaddubsw``
+    adds (|w| = 128 times 127), and a prompt's 40 rows, quantized in shares across the threads, whose only -128
+    lies in the last pass (the quantizer marks the row; ``product`` picks each pass's path from the marks)."""
     isa, *lines = _child(PRODUCT, capped=capped)
     assert isa == ("avx2" if capped else "avx512_vnni" if "avx512_vnni" in cpu_flags() else "avx2")
-    assert len(lines) == 31 and all(line.endswith("True") for line in lines), lines
+    assert len(lines) == 32 and all(line.endswith("True") for line in lines), lines
 
 
 STEPS = """
