@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-# Prompts longer than this go through the ordinary command's batched prefill: the runner feeds the prompt a token at
-# a time through the one-token step (~8-20 ms a token at 135M on 2 cores), which a long prompt would feel.
+# Without a prefill package in the bundle (its compile failed), prompts longer than this go through the ordinary
+# command's batched prefill: the runner then feeds the prompt a token at a time through the one-token step (~8-20 ms
+# a token at 135M on 2 cores), which a long prompt would feel.
 PROMPT_TOKENS_MAX = 64
 
 
@@ -53,11 +54,13 @@ def run(argv: list[str]) -> Optional[int]:
     ids = encode_prompt(tokenizer, args.prompt[0], bos=args.bos or manifest["bos"])
     # The default number of new tokens as the ordinary command takes it (manifest["positions"]: the model's context).
     max_new_tokens = args.max_new_tokens or min(generate.DEFAULT_NEW_TOKENS, manifest["positions"] - len(ids))
-    if len(ids) > PROMPT_TOKENS_MAX or max_new_tokens < 1 or len(ids) + max_new_tokens > manifest["positions"]:
+    prefill = manifest["prefill"]
+    if ((prefill is None and len(ids) > PROMPT_TOKENS_MAX) or max_new_tokens < 1
+            or len(ids) + max_new_tokens > manifest["positions"]):
         return None
     try:
         runner = NativeRunner(Path(manifest["runner"]), Path(manifest["package"]), Path(manifest["bundle"]),
-                              args.threads or 0)
+                              args.threads or 0, None if prefill is None else Path(prefill), manifest["prefill_rows"])
     except NativeError as e:  # a damaged bundle: removed, so that this call (the ordinary command) writes it again
         shutil.rmtree(manifest["bundle"], ignore_errors=True)
         print(f"warning: {e}; running without the native runner (the bundle is written again)", file=sys.stderr)

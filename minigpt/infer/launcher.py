@@ -12,8 +12,9 @@ every tensor the package reads, in one file memory-mapped by the runner (``tenso
 by :func:`launch_key`, computed here without torch from the model directory's files (path, sizes, modification
 times), the dtype, quantization and threads asked for, the torch version, MiniGPT's sources and the CPU. A later
 call with the same key tokenizes with ``tokenizers``, loads the runner (``native_runner.cpp``, built once per
-machine and torch version) with :mod:`ctypes` and runs greedy decoding there, the prompt fed through the same
-one-token step (:class:`NativeRunner`). Only this module, the tokenizer and the stop-string logic are imported.
+machine and torch version) with :mod:`ctypes` and runs greedy decoding there (:class:`NativeRunner`): all but the
+prompt's last token through the bundle's prefill package (the same step over many tokens, without logits), the
+rest through the one-token step. Only this module, the tokenizer and the stop-string logic are imported.
 
 Trust: the runner and the package are code, loaded only when owned by this user and writable by no one else
 (:func:`trusted`), as the compile cache's other files.
@@ -33,15 +34,15 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 ENV = "MINIGPT_COMPILE_CACHE"
-FORMAT = 1  # of bundles and of launch_key: bump when either changes
+FORMAT = 2  # of bundles and of launch_key: bump when either changes (2: the prefill package)
 _PACKAGE = Path(__file__).resolve().parents[1]  # minigpt/
 # The runner library's sources, compiled into one library: the runner, and the kernels it and Python processes
 # register for the `minigpt::q4_mm`, `minigpt::w8a8_mm`, `minigpt::woq8_mm`, `minigpt::float_mv` and
 # `minigpt::causal_attention` ops.
 RUNNER_SOURCES = tuple(_PACKAGE / "infer" / name
-                       for name in ("native_runner.cpp", "q4_kernel.cpp", "w8a8_kernel.cpp", "woq8_kernel.cpp",
-                                    "float_kernel.cpp", "attention_kernel.cpp"))
-RUNNER_HEADERS = (_PACKAGE / "infer" / "runner_ops.h",)  # included by the sources above
+                       for name in ("native_runner.cpp", "w8a8_op.cpp", "q4_kernel.cpp", "w8a8_kernel.cpp",
+                                    "woq8_kernel.cpp", "float_kernel.cpp", "attention_kernel.cpp"))
+RUNNER_HEADERS = tuple(_PACKAGE / "infer" / name for name in ("runner_ops.h", "w8a8_op.h"))  # included by them
 # Their compiler flags (with the include paths and the ABI macro, minigpt.infer.fastpath.library.build_runner).
 # -fopenmp: ATen's parallel_for, which the int4 kernel's threads come from, is OpenMP inlined from the headers and
 # serial without it; the library then needs libgomp.so.1, which torch ships and has loaded already.
@@ -267,7 +268,9 @@ def read_manifest(key: str) -> Optional[dict]:
         manifest = json.loads(path.read_text())
         if manifest.get("format") != FORMAT:
             return None
-        for name in ("runner", "package"):
+        for name in ("runner", "package", "prefill"):
+            if manifest[name] is None and name == "prefill":  # a bundle without one: the prompt a token at a time
+                continue
             p = Path(manifest[name])
             if not p.is_file() or not trusted(p):
                 return None
@@ -289,28 +292,38 @@ _ON_TOKEN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64)
 
 class NativeRunner:
     """The runner library (``native_runner.cpp``) with one bundle loaded: ``package`` (an AOTInductor step of batch
-    1, one new token), ``bundle`` (its tensors), ``threads`` (0: libtorch's default). Raises :class:`NativeError`
-    when the library or the bundle cannot be loaded (a missing tensor, a truncated file, a package of another
-    structure)."""
+    1, one new token), ``bundle`` (its tensors), ``threads`` (0: libtorch's default); ``prefill``: the bundle's
+    prefill package (:func:`~minigpt.infer.fastpath.aot.prefill_package`, prompt rows from ``prefill_rows[0]``
+    to ``prefill_rows[1]`` a call), or None to feed prompts a token at a time through the step. Raises
+    :class:`NativeError` when the library or the bundle cannot be loaded (a missing tensor, a truncated file, a
+    package of another structure)."""
 
-    def __init__(self, library: Path, package: Path, bundle: Path, threads: int = 0) -> None:
+    def __init__(self, library: Path, package: Path, bundle: Path, threads: int = 0, prefill: Optional[Path] = None,
+                 prefill_rows: Sequence[int] = (1, 1)) -> None:
         lib = _library(library)
         lib.mg_open.restype = ctypes.c_void_p
-        lib.mg_open.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+        lib.mg_open.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                                ctypes.c_int]
         lib.mg_generate.restype = ctypes.c_long
         lib.mg_generate.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_long, ctypes.c_long,
-                                    ctypes.c_long, ctypes.POINTER(ctypes.c_int64), ctypes.c_long, _ON_TOKEN,
-                                    ctypes.c_char_p, ctypes.c_int]
+                                    ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.POINTER(ctypes.c_int64),
+                                    ctypes.c_long, _ON_TOKEN, ctypes.POINTER(ctypes.c_long), ctypes.c_char_p,
+                                    ctypes.c_int]
         lib.mg_close.argtypes = [ctypes.c_void_p]
         self._lib = lib
+        self.prefill_rows = (int(prefill_rows[0]), int(prefill_rows[1]))
+        self.prefilled = 0  # the last generate's prompt tokens that went through the prefill package
         err = ctypes.create_string_buffer(ERROR_BYTES)
-        self._handle = lib.mg_open(str(package).encode(), str(bundle).encode(), threads, err, ERROR_BYTES)
+        self._handle = lib.mg_open(str(package).encode(), b"" if prefill is None else str(prefill).encode(),
+                                   str(bundle).encode(), threads, err, ERROR_BYTES)
         if not self._handle:
             raise NativeError(f"cannot load the native bundle {bundle}: {err.value.decode(errors='replace')}")
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
                  on_token: Optional[Callable[[int], bool]] = None, cache_len: Optional[int] = None) -> list[int]:
-        """Greedy tokens after ``prompt`` (fed a token at a time through the step): at most ``max_new_tokens``,
+        """Greedy tokens after ``prompt`` (all but its last token through the prefill package when there is one,
+        in calls of at most ``prefill_rows[1]`` tokens; the rest a token at a time through the step): at most
+        ``max_new_tokens``,
         ending at the first of ``stop_ids`` (included) or when ``on_token(token)`` (called for each) returns True;
         an exception it raises ends the generation and is raised from here.
         ``cache_len``: the KV cache's columns (:func:`cache_length`; None: exactly prompt + new tokens). Raises
@@ -335,8 +348,10 @@ class NativeRunner:
         ids = (ctypes.c_int64 * len(prompt))(*prompt)
         stops = (ctypes.c_int64 * max(1, len(stop_ids)))(*stop_ids)
         err = ctypes.create_string_buffer(ERROR_BYTES)
-        n = self._lib.mg_generate(self._handle, ids, len(prompt), max_new_tokens, cache_len, stops, len(stop_ids),
-                                  keep, err, ERROR_BYTES)
+        prefilled = ctypes.c_long(0)
+        n = self._lib.mg_generate(self._handle, ids, len(prompt), max_new_tokens, cache_len, *self.prefill_rows,
+                                  stops, len(stop_ids), keep, ctypes.byref(prefilled), err, ERROR_BYTES)
+        self.prefilled = prefilled.value
         if raised:
             raise raised[0]
         if n < 0:

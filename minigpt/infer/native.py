@@ -2,7 +2,8 @@
 the bundle a later, torch-free ``minigpt generate --compile`` runs.
 
 A bundle is written by a ``--compile`` run that loaded (or saved) an AOTInductor step package of batch 1 and one
-new token, once per :func:`~minigpt.infer.launcher.launch_key`: the tensors of
+new token, once per :func:`~minigpt.infer.launcher.launch_key`, with a second package that prefills a prompt
+(:func:`~minigpt.infer.fastpath.aot.prefill_package`, compiled then if missing): the tensors of
 :func:`~minigpt.infer.fastpath.aoti.step_tensors` (the fused weights, RoPE tables, int4 levels in ATen's layout:
 what the package reads, in the layout it was compiled for), each written once even when several names share it
 (a tied head), 64-byte aligned, and a manifest; for a step whose int8 products go through FBGEMM (the
@@ -25,7 +26,14 @@ from typing import Optional, Sequence
 
 import torch
 
-from minigpt.infer.fastpath.aoti import PARTIAL_MAX_AGE_S, step_projections, step_tensors
+from minigpt.infer.fastpath.aot import prefill_package
+from minigpt.infer.fastpath.aoti import (
+    PARTIAL_MAX_AGE_S,
+    PREFILL_ROWS_MAX,
+    PREFILL_ROWS_MIN,
+    step_projections,
+    step_tensors,
+)
 from minigpt.infer.fastpath.library import build_runner
 from minigpt.infer.launcher import FORMAT, cache_dir, launch_key, mark_used, size_limit
 
@@ -56,11 +64,15 @@ def write_bundle(fp, source: Path, dtype: str, quantize: Optional[str], threads:
     bundle = directory / "native" / key
     if (bundle / "manifest.json").is_file():
         mark_used(bundle / "manifest.json")
+        prefill = json.loads((bundle / "manifest.json").read_text()).get("prefill")
+        if prefill is not None and not Path(prefill).is_file():  # pruned or deleted: read_manifest refuses the
+            prefill_package(fp, directory)  # bundle until it is back (the same key: the same path)
         return bundle
     named = step_tensors(fp)
     if not all(t.is_contiguous() and t.device.type == "cpu" and t.dtype in _DTYPES for t in named.values()):
         return None
     runner = build_runner(directory)
+    prefill = prefill_package(fp, directory)  # None: the runner feeds prompts a token at a time
     bundle.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     work = Path(tempfile.mkdtemp(prefix=".partial-", dir=bundle.parent))
     try:
@@ -84,6 +96,8 @@ def write_bundle(fp, source: Path, dtype: str, quantize: Optional[str], threads:
         (work / "tensors.txt").write_text(f"minigpt-native 1 {c.n_layers} {c.n_kv_heads} {c.head_dim}\n"
                                           + "\n".join(lines) + "\n")
         manifest = {"format": FORMAT, "package": str(packages[0]), "runner": str(runner), "source": str(source),
+                    "prefill": None if prefill is None else str(prefill),
+                    "prefill_rows": [PREFILL_ROWS_MIN, PREFILL_ROWS_MAX],
                     "bos": bool(bos), "stop_ids": [int(i) for i in stop_ids], "vocab_size": c.vocab_size,
                     "positions": min(c.max_seq_len, int(fp.cos.shape[0]))}
         (work / "manifest.json").write_text(json.dumps(manifest, indent=1))

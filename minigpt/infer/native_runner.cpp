@@ -2,15 +2,17 @@
 // and the tensors it reads (a bundle written by minigpt/infer/native.py), run through libtorch with no Python
 // interpreter between tokens and, above all, without `import torch` in the process that calls it: the torch-free
 // launcher (minigpt/cli/quick.py) loads this library with ctypes. Greedy decoding only. The same library gives a
-// Python process the C++ kernels of the int8 and int4 product ops its compiled steps call (minigpt::w8a8_mm, see
-// register_w8a8_op and minigpt/infer/fastpath/library.py, with MiniGPT's own kernel for a few rows in
-// w8a8_kernel.cpp; minigpt::q4_mm, q4_kernel.cpp; minigpt::woq8_mm, the head screen's, woq8_kernel.cpp;
-// minigpt::float_mv, float32 and bfloat16 weights, float_kernel.cpp; all five sources compiled into one library).
+// Python process the C++ kernels of the int8 and int4 product ops its compiled steps call (minigpt::w8a8_mm,
+// w8a8_op.cpp, with MiniGPT's own kernel in w8a8_kernel.cpp; minigpt::q4_mm, q4_kernel.cpp; minigpt::woq8_mm, the
+// head screen's, woq8_kernel.cpp; minigpt::float_mv, float32 and bfloat16 weights, float_kernel.cpp;
+// minigpt::causal_attention, attention_kernel.cpp; all compiled into one library).
 //
 // The C interface (every function catches every C++ exception and reports it through `err`):
-//   mg_open(package, bundle_dir, threads, err, errlen) -> handle or NULL
-//   mg_generate(handle, prompt, n_prompt, max_new, cache_len, stop_ids, n_stop, on_token, err, errlen)
-//       -> the number of tokens generated, or -1; on_token(token) is called for each, a non-zero return stops.
+//   mg_open(package, prefill, bundle_dir, threads, err, errlen) -> handle or NULL (prefill: "" for none)
+//   mg_generate(handle, prompt, n_prompt, max_new, cache_len, prefill_min, prefill_max, stop_ids, n_stop, on_token,
+//               prefilled, err, errlen)
+//       -> the number of tokens generated, or -1; on_token(token) is called for each, a non-zero return stops;
+//       *prefilled: how many prompt tokens went through the prefill package (the rest through the step).
 //   mg_close(handle)
 //   mg_w8a8_install(err, errlen) -> 0 or -1: in a Python process, the C++ kernel of the int8 product op
 //   mg_q4_install(err, errlen) -> 0 or -1: likewise for the int4 product op (q4_kernel.cpp)
@@ -28,6 +30,8 @@
 #include <ATen/native/quantized/PackedParams.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/library.h>
+
+#include "w8a8_op.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -50,152 +54,28 @@
 
 namespace minigpt_w8a8 {  // w8a8_kernel.cpp
 bool available();
-const char* isa_name();
-void quantize(const float* x, int64_t rows, int64_t in, int64_t padded, int8_t* q, int32_t* sum, uint8_t* low);
-void product(const int8_t* q, const int32_t* qsum, const uint8_t* low, int64_t rows, int64_t padded, const int8_t* w,
-             int64_t in, const float* scale, int64_t n0, int64_t n1, float* y, int64_t ldy);
 }  // namespace minigpt_w8a8
 
 namespace {
 
-using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
+using minigpt_w8a8_op::Packed;
+using minigpt_w8a8_op::PackedMatrix;
+using minigpt_w8a8_op::packed_mutex;
+using minigpt_w8a8_op::packed_weights;
+using minigpt_w8a8_op::register_w8a8_op;
 
-// The int8 matrices the op may multiply, by the address of the matrix the package passes to it: their row scales
-// (float32) for MiniGPT's own kernel (w8a8_kernel.cpp), FBGEMM's packed copies where it is used (one per block of
-// rows: a large matrix, the LM head, is packed in blocks on several threads; see pack_w8a8), and the shape, checked
-// at every call (an address reused by another matrix must not find a stale entry).
-struct PackedMatrix {
-  std::vector<Packed> blocks;  // empty where every call takes MiniGPT's kernel (the runner on a VNNI CPU)
-  at::Tensor scale;
-  int64_t rows = 0, cols = 0;
-};
-std::mutex packed_mutex;
-std::unordered_map<const void*, PackedMatrix> packed_weights;
 constexpr int64_t kSplitRows = 8192;  // matrices with at least this many rows are packed in blocks
 
 // Swallows c10 warnings: creating quantized tensors warns that they are deprecated, on every call.
 struct QuietWarnings : c10::WarningHandler {
   void process(const c10::Warning&) override {}
 };
-std::mutex op_mutex;
-std::unique_ptr<torch::Library> op_definition, op_implementation;
 
-constexpr int64_t kOwnRows = 4;  // calls of up to this many rows take MiniGPT's kernel (decode steps)
-constexpr int64_t kQuantizeGrain = 16;  // activation rows per thread's share of the quantizer, at least
 constexpr long kGrowColumns = 64;  // the cache grows by at least this (launcher.CACHE_BUCKET, its lengths)
-
-// MiniGPT's kernel (w8a8_kernel.cpp): the same numbers as FBGEMM's, read from the matrix in place.
-at::Tensor own_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == weight.size(1),
-              "minigpt::w8a8_mm: x must be float32 [rows, ", weight.size(1), "]");
-  at::Tensor xc = x.contiguous(), wc = weight.contiguous();
-  const int64_t rows = xc.size(0), in = xc.size(1), out = wc.size(0), padded = (in + 63) / 64 * 64;
-  at::Tensor y = at::empty({rows, out}, xc.options());
-  if (rows == 0 || out == 0) return y;
-  std::vector<int8_t> q(static_cast<size_t>(rows * padded));
-  std::vector<int32_t> qsum(static_cast<size_t>(rows));
-  std::vector<uint8_t> low(static_cast<size_t>(rows));
-  const float* xp = xc.data_ptr<float>();
-  // A prompt's rows on every thread; a decode step's few rows (fewer than the grain) inline, no parallel region.
-  at::parallel_for(0, rows, kQuantizeGrain, [&](int64_t begin, int64_t end) {
-    minigpt_w8a8::quantize(xp + begin * in, end - begin, in, padded, q.data() + begin * padded, qsum.data() + begin,
-                           low.data() + begin);
-  });
-  const int8_t* w = wc.data_ptr<int8_t>();
-  const float* s = scale.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, (out + 15) / 16, 1, [&](int64_t begin, int64_t end) {  // in units of 16 rows
-    minigpt_w8a8::product(q.data(), qsum.data(), low.data(), rows, padded, w, in, s, begin * 16,
-                          std::min(out, end * 16), yp, out);
-  });
-  return y;
-}
-
-// minigpt::w8a8_mm(x, weight): the rows of x (already divided by their scale) times the int8 matrix, as the Python
-// implementation in minigpt/infer/fastpath/library.py computes it: up to kOwnRows rows through MiniGPT's kernel
-// where the CPU has VNNI, more through FBGEMM's packed copy where there is one (it blocks the rows), the same bits.
-at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& weight) {
-  std::vector<Packed> blocks;
-  at::Tensor scale;
-  {
-    std::lock_guard<std::mutex> lock(packed_mutex);
-    auto it = packed_weights.find(weight.data_ptr());
-    TORCH_CHECK(it != packed_weights.end(), "minigpt::w8a8_mm: this int8 matrix has no packed copy");
-    TORCH_CHECK(weight.dim() == 2 && it->second.rows == weight.size(0) && it->second.cols == weight.size(1),
-                "minigpt::w8a8_mm: the packed copy at this address is of another matrix");
-    blocks = it->second.blocks;
-    scale = it->second.scale;
-  }
-  if (minigpt_w8a8::available() && (blocks.empty() || x.size(0) <= kOwnRows))
-    return own_mm(x, weight, scale);
-  TORCH_CHECK(!blocks.empty(), "minigpt::w8a8_mm: this int8 matrix has no packed copy for FBGEMM");
-  if (blocks.size() == 1) return blocks[0]->apply_with_input_q_dq_qweight_dq_output_fp32(x, 1.0, 128);
-  // Every output is its own row's dot product: blocks of rows give the whole product's numbers.
-  std::vector<at::Tensor> parts;
-  for (const auto& b : blocks) parts.push_back(b->apply_with_input_q_dq_qweight_dq_output_fp32(x, 1.0, 128));
-  return at::cat(parts, -1);
-}
-
-// minigpt::w8a8_adopt(address, rows, cols, packed) / w8a8_forget(address): a Python process hands over the copies
-// it packed itself (minigpt/infer/fastpath/library.py, which also needs them for its eager products) and withdraws
-// one when its matrix is freed.
-void w8a8_adopt(int64_t address, int64_t rows, int64_t cols, const Packed& packed, const at::Tensor& scale) {
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == rows, "minigpt::w8a8_adopt: scale must be [", rows, "]");
-  std::lock_guard<std::mutex> lock(packed_mutex);
-  packed_weights[reinterpret_cast<const void*>(address)] =
-      PackedMatrix{{packed}, scale.to(at::kFloat).contiguous(), rows, cols};
-}
-
-// minigpt::w8a8_register(address, rows, cols, scale): a matrix that MiniGPT's kernel multiplies in place for every
-// row count, with no packed copy (a Python process on a CPU without VNNI, where FBGEMM's product saturates).
-void w8a8_register(int64_t address, int64_t rows, int64_t cols, const at::Tensor& scale) {
-  TORCH_CHECK(minigpt_w8a8::available(), "minigpt::w8a8_register: MiniGPT's int8 kernel does not run on this CPU");
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == rows, "minigpt::w8a8_register: scale must be [", rows, "]");
-  std::lock_guard<std::mutex> lock(packed_mutex);
-  packed_weights[reinterpret_cast<const void*>(address)] =
-      PackedMatrix{{}, scale.to(at::kFloat).contiguous(), rows, cols};
-}
-
-void w8a8_forget(int64_t address) {
-  std::lock_guard<std::mutex> lock(packed_mutex);
-  packed_weights.erase(reinterpret_cast<const void*>(address));
-}
-
-// minigpt::w8a8_isa(): which kernel takes calls of up to kOwnRows rows (and every call on a matrix without a packed
-// copy): MiniGPT's, "avx512_vnni" or "avx2", else "fbgemm".
-std::string w8a8_isa() { return minigpt_w8a8::isa_name(); }
-
-// Define the op unless this process has (a Python process that imported MiniGPT's fast path defines it, with its
-// shape function for tracing) and give it this C++ kernel; refused where the op has a CPU kernel already (the
-// Python one, which would not know this library's packed copies). Every call through the op from an AOTInductor
-// package goes through this kernel then: with the Python one each of a step's ~120 int8 products called back into
-// the interpreter (int8 decode 58-65 against 88-98 tokens/s at 135M, docs/benchmarks.md).
-void register_w8a8_op() {
-  std::lock_guard<std::mutex> guard(op_mutex);
-  if (op_implementation) return;
-  auto& dispatcher = c10::Dispatcher::singleton();
-  auto op = dispatcher.findSchema({"minigpt::w8a8_mm", ""});
-  if (op.has_value() && op->hasKernelForDispatchKey(c10::DispatchKey::CPU))
-    throw std::runtime_error("minigpt::w8a8_mm already has another CPU kernel in this process (MiniGPT's Python "
-                             "one); run the native runner in a process that has not used it");
-  auto definition = std::make_unique<torch::Library>(torch::Library::FRAGMENT, "minigpt", std::nullopt, __FILE__,
-                                                     __LINE__);
-  if (!op.has_value()) definition->def("w8a8_mm(Tensor x, Tensor weight) -> Tensor");
-  definition->def("w8a8_adopt(int address, int rows, int cols, "
-                  "__torch__.torch.classes.quantized.LinearPackedParamsBase packed, Tensor scale) -> ()",
-                  TORCH_FN(w8a8_adopt));
-  definition->def("w8a8_register(int address, int rows, int cols, Tensor scale) -> ()", TORCH_FN(w8a8_register));
-  definition->def("w8a8_forget(int address) -> ()", TORCH_FN(w8a8_forget));
-  definition->def("w8a8_isa() -> str", TORCH_FN(w8a8_isa));
-  auto implementation = std::make_unique<torch::Library>(torch::Library::IMPL, "minigpt", c10::DispatchKey::CPU,
-                                                         __FILE__, __LINE__);
-  implementation->impl("w8a8_mm", TORCH_FN(w8a8_mm));
-  op_definition = std::move(definition);
-  op_implementation = std::move(implementation);
-}
 
 struct Runner {
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader;
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> prefill;  // the prompt's package, or none
   std::unordered_map<std::string, at::Tensor> constants;
   void* map = nullptr;
   size_t map_len = 0;
@@ -204,6 +84,7 @@ struct Runner {
 
   ~Runner() {
     loader.reset();  // the library's references to the tensors first, then the mapping under them
+    prefill.reset();
     {
       std::lock_guard<std::mutex> lock(packed_mutex);
       for (const void* p : packed) packed_weights.erase(p);
@@ -381,6 +262,19 @@ int64_t screen_fallback(const Runner& r, const at::Tensor& h) {
   return at::mv(it->second.to(at::kFloat), h.reshape({-1}).to(at::kFloat)).argmax().item<int64_t>();
 }
 
+// A package loaded with the bundle's tensors as its constants, read in place (user_managed: no copy).
+std::unique_ptr<torch::inductor::AOTIModelPackageLoader> load_package(const Runner& r, const char* package) {
+  auto loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(package, "model", false, 1, -1);
+  std::unordered_map<std::string, at::Tensor> wanted;
+  for (const auto& name : loader->get_constant_fqns()) {
+    auto it = r.constants.find(name);
+    if (it == r.constants.end()) throw std::runtime_error("the bundle has no tensor " + name);
+    wanted[name] = it->second;
+  }
+  loader->load_constants(wanted, false, true, true);
+  return loader;
+}
+
 }  // namespace
 
 extern "C" {
@@ -389,7 +283,7 @@ int mg_q4_install(char* err, int errlen);    // q4_kernel.cpp: minigpt::q4_mm's 
 int mg_woq8_install(char* err, int errlen);  // woq8_kernel.cpp: minigpt::woq8_mm's kernel
 int mg_float_install(char* err, int errlen);  // float_kernel.cpp: minigpt::float_mv's kernel
 
-void* mg_open(const char* package, const char* bundle_dir, int threads, char* err, int errlen) {
+void* mg_open(const char* package, const char* prefill, const char* bundle_dir, int threads, char* err, int errlen) {
   auto r = std::make_unique<Runner>();
   try {
     if (threads > 0) at::set_num_threads(threads);
@@ -399,15 +293,8 @@ void* mg_open(const char* package, const char* bundle_dir, int threads, char* er
     if (mg_q4_install(q4_err, sizeof q4_err) != 0) throw std::runtime_error(q4_err);  // the int4 op, likewise
     if (mg_woq8_install(q4_err, sizeof q4_err) != 0) throw std::runtime_error(q4_err);  // the head screen's op
     if (mg_float_install(q4_err, sizeof q4_err) != 0) throw std::runtime_error(q4_err);  // float products
-    r->loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(package, "model", false, 1, -1);
-    std::unordered_map<std::string, at::Tensor> wanted;
-    for (const auto& name : r->loader->get_constant_fqns()) {
-      auto it = r->constants.find(name);
-      if (it == r->constants.end()) throw std::runtime_error("the bundle has no tensor " + name);
-      wanted[name] = it->second;
-    }
-    // user_managed: the library reads the mapped tensors in place (no copy)
-    r->loader->load_constants(wanted, false, true, true);
+    r->loader = load_package(*r, package);
+    if (prefill != nullptr && prefill[0] != '\0') r->prefill = load_package(*r, prefill);
     return r.release();
   } catch (const std::exception& e) {
     set_error(e.what(), err, errlen);
@@ -415,12 +302,15 @@ void* mg_open(const char* package, const char* bundle_dir, int threads, char* er
   }
 }
 
-long mg_generate(void* handle, const int64_t* prompt, long n_prompt, long max_new, long cache_len,
-                 const int64_t* stop_ids, long n_stop, int (*on_token)(int64_t), char* err, int errlen) {
+long mg_generate(void* handle, const int64_t* prompt, long n_prompt, long max_new, long cache_len, long prefill_min,
+                 long prefill_max, const int64_t* stop_ids, long n_stop, int (*on_token)(int64_t), long* prefilled,
+                 char* err, int errlen) {
   try {
     auto* r = static_cast<Runner*>(handle);
     if (n_prompt < 1 || max_new < 1 || n_prompt + max_new > cache_len + 1)
       throw std::runtime_error("prompt and new tokens do not fit in the cache");
+    if (r->prefill && (prefill_min < 1 || prefill_max < prefill_min))
+      throw std::runtime_error("the prefill package's rows must be 1 <= prefill_min <= prefill_max");
     c10::InferenceMode guard;
     auto f32 = at::TensorOptions().dtype(at::kFloat);
     // The step attends to every column it is given (masked): the cache starts at one bucket and grows as the
@@ -431,32 +321,54 @@ long mg_generate(void* handle, const int64_t* prompt, long n_prompt, long max_ne
       k.push_back(at::zeros({1, r->n_kv_heads, length, r->head_dim}, f32));
       v.push_back(at::zeros({1, r->n_kv_heads, length, r->head_dim}, f32));
     }
+    // At least `needed` columns (kv_cache.fitted_length(needed)), the first `held` carried over.
+    auto fit = [&](long needed, long held) {
+      if (needed <= length) return;
+      long power = 1;
+      while (power * 2 <= needed) power *= 2;
+      long step = std::max(kGrowColumns, power / 4);
+      length = std::min(cache_len, (needed - 1 + step) / step * step);
+      for (auto* layers : {&k, &v})
+        for (auto& t : *layers) {
+          at::Tensor longer = at::zeros({1, r->n_kv_heads, length, r->head_dim}, f32);
+          longer.narrow(2, 0, held).copy_(t.narrow(2, 0, held));
+          t = longer;
+        }
+    };
     auto i64 = at::TensorOptions().dtype(at::kLong);
     at::Tensor token = at::zeros({1, 1}, i64), pos = at::zeros({1}, i64), pad = at::zeros({1}, i64);
-    int64_t next = prompt[0];
-    long produced = 0;
-    // The prompt goes through the one-token step too, a token at a time: column p holds position p.
-    for (long p = 0; p < n_prompt + max_new - 1; ++p) {
-      if (p + 1 > length) {  // kv_cache.fitted_length(p + 1) columns, the first p carried over
-        long power = 1;
-        while (power * 2 <= p + 1) power *= 2;
-        long step = std::max(kGrowColumns, power / 4);
-        length = std::min(cache_len, (p + step) / step * step);
-        for (auto* layers : {&k, &v})
-          for (auto& t : *layers) {
-            at::Tensor longer = at::zeros({1, r->n_kv_heads, length, r->head_dim}, f32);
-            longer.narrow(2, 0, p).copy_(t.narrow(2, 0, p));
-            t = longer;
-          }
-      }
-      token.fill_(p < n_prompt ? prompt[p] : next);
-      pos.fill_(p);
-      std::vector<at::Tensor> inputs{token, pos, pad};
+    auto run = [&](torch::inductor::AOTIModelPackageLoader& package, const at::Tensor& tokens) {
+      std::vector<at::Tensor> inputs{tokens, pos, pad};
       inputs.insert(inputs.end(), k.begin(), k.end());
       inputs.insert(inputs.end(), v.begin(), v.end());
-      // The package writes column p of every cache itself (aoti.StepModule): its outputs are the logits, or a
-      // greedy step's token and final hidden state.
-      std::vector<at::Tensor> out = r->loader->boxed_run(std::move(inputs));
+      // The package writes its columns of every cache itself (aoti.StepModule): its outputs are the logits, a
+      // greedy step's token and final hidden state, or the prefill package's columns.
+      return package.boxed_run(std::move(inputs));
+    };
+    long p = 0;  // the next position: column p holds position p
+    // The prompt but its last token through the prefill package, at most prefill_max tokens a call, each call
+    // padded to prefill_min rows (the package's least) where the cache has the room: a padding row only writes
+    // columns past the tokens given, which the next call or step overwrites before any query reads them.
+    while (r->prefill && p < n_prompt - 1) {
+      long rows = std::min(prefill_max, n_prompt - 1 - p), padded = std::max(rows, prefill_min);
+      if (p + padded > cache_len) break;  // the rest a token at a time
+      fit(p + padded, p);
+      at::Tensor chunk = at::zeros({1, padded}, i64);
+      std::memcpy(chunk.data_ptr<int64_t>(), prompt + p, static_cast<size_t>(rows) * sizeof(int64_t));
+      pos.fill_(p);
+      run(*r->prefill, chunk);
+      p += rows;
+    }
+    if (prefilled != nullptr) *prefilled = p;
+    int64_t next = prompt[p];
+    long produced = 0;
+    // The rest of the prompt (its last token, or all of it without a prefill package) a token at a time through
+    // the one-token step, then the new tokens.
+    for (; p < n_prompt + max_new - 1; ++p) {
+      fit(p + 1, p);
+      token.fill_(p < n_prompt ? prompt[p] : next);
+      pos.fill_(p);
+      std::vector<at::Tensor> out = run(*r->loader, token);
       if (p < n_prompt - 1) continue;
       next = out[0].scalar_type() == at::kLong ? out[0].reshape({-1})[0].item<int64_t>()  // a greedy step's token
                                                : out[0].reshape({-1}).argmax().item<int64_t>();
@@ -474,17 +386,5 @@ long mg_generate(void* handle, const int64_t* prompt, long n_prompt, long max_ne
 }
 
 void mg_close(void* handle) { delete static_cast<Runner*>(handle); }
-
-// In a Python process: make this library's kernel the CPU kernel of minigpt::w8a8_mm (see register_w8a8_op).
-// Returns 0, or -1 with the reason in `err`.
-int mg_w8a8_install(char* err, int errlen) {
-  try {
-    register_w8a8_op();
-    return 0;
-  } catch (const std::exception& e) {
-    set_error(e.what(), err, errlen);
-    return -1;
-  }
-}
 
 }  // extern "C"

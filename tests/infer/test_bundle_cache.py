@@ -43,19 +43,21 @@ def test_a_use_refreshes_a_bundle(tmp_path, monkeypatch):
     busy bundle outlives a newer idle one."""
     monkeypatch.setenv(launcher.ENV, str(tmp_path))
     native = tmp_path / "native"
-    runner, package = tmp_path / "runner.so", tmp_path / "step.pt2"
-    for f in (runner, package):
+    runner, package, prefill = tmp_path / "runner.so", tmp_path / "step.pt2", tmp_path / "prefill.pt2"
+    for f in (runner, package, prefill):
         f.write_bytes(b"x")
         f.chmod(0o600)
     now = time.time()
     busy = _bundle(native, "busy", 1000, now - 1000)
     (busy / "manifest.json").write_text(json.dumps({"format": launcher.FORMAT, "runner": str(runner),
-                                                    "package": str(package)}))
+                                                    "package": str(package), "prefill": str(prefill)}))
     os.utime(busy / "manifest.json", (now - 1000, now - 1000))
     idle = _bundle(native, "idle", 1000, now - 10)
     new = _bundle(native, "new", 1000, now)
     assert launcher.read_manifest("busy")["bundle"] == str(busy)
     assert prune_bundles(native, new, 2500) == [idle]
+    prefill.unlink()  # a bundle whose prefill package is gone is not run (native.write_bundle makes it again)
+    assert launcher.read_manifest("busy") is None
 
 
 def test_leftovers_of_killed_writes_go_when_a_day_old(tmp_path):
@@ -100,20 +102,24 @@ def _step_file(directory: Path, name: str, size: int, used: float) -> Path:
     return f
 
 
-def test_saved_steps_go_least_recently_used_first_but_not_a_bundles_package(tmp_path):
+def test_saved_steps_go_least_recently_used_first_but_not_a_bundles_packages(tmp_path):
     from minigpt.infer.fastpath.aot import prune_steps
 
     now = time.time()
-    old, pinned, mid, recent = (_step_file(tmp_path, n, 1000, now - age) for n, age in
-                                (("a.pt2", 400), ("b.pt2", 300), ("c.step", 200), ("d.pt2", 100)))
+    old, pinned, prefill, mid, recent = (_step_file(tmp_path, n, 1000, now - age) for n, age in
+                                         (("a.pt2", 400), ("b.pt2", 300), ("f.pt2", 250), ("c.step", 200),
+                                          ("d.pt2", 100)))
     others = [_step_file(tmp_path, n, 5000, now - 1000) for n in ("runner.so", ".partial-x.pt2")]
     bundle = _bundle(tmp_path / "native", "k", 10, now)
-    (bundle / "manifest.json").write_text(json.dumps({"package": str(pinned)}))
+    (bundle / "manifest.json").write_text(json.dumps({"package": str(pinned), "prefill": str(prefill)}))
+    (_bundle(tmp_path / "native", "j", 10, now) / "manifest.json").write_text(json.dumps({"package": str(pinned),
+                                                                                          "prefill": None}))
     new = _step_file(tmp_path, "e.step", 1000, now)
-    assert prune_steps(tmp_path, new, 5000) == []
-    assert prune_steps(tmp_path, new, 3000) == [old, mid]  # the bundle's package stays, counted
+    assert prune_steps(tmp_path, new, 6000) == []
+    assert prune_steps(tmp_path, new, 4000) == [old, mid]  # the bundle's two packages stay, counted
     assert prune_steps(tmp_path, new, 0) == [recent]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".partial-x.pt2", "b.pt2", "e.step", "native", "runner.so"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".partial-x.pt2", "b.pt2", "e.step", "f.pt2", "native",
+                                                          "runner.so"]
     assert all(f.exists() for f in others)
 
 

@@ -92,7 +92,7 @@ def test_the_ops_kernel_is_the_runner_librarys_and_computes_what_the_python_one_
     packed copy: the same bits as the Python kernel. A copy whose recorded shape is not the matrix's (memory
     reused by another matrix) and one withdrawn by the finalizer's function are refused, not used."""
     assert library.w8a8_kernel() == "c++"
-    assert "native_runner.cpp" in torch._C._dispatch_dump("minigpt::w8a8_mm").split("CPU:")[1].splitlines()[0]
+    assert "w8a8_op.cpp" in torch._C._dispatch_dump("minigpt::w8a8_mm").split("CPU:")[1].splitlines()[0]
     p, _ = _head()
     for rows in (1, 5):
         x = torch.randn(rows, 96) * 20

@@ -216,14 +216,15 @@ def test_the_runners_cache_grows_past_its_first_bucket_and_keeps_the_steps_token
 @pytest.mark.slow  # four CLI processes, one compiling a package, ~60 s
 @pytest.mark.parametrize("quantize", [[], ["--quantize", "int4"]])
 def test_the_second_compiled_call_runs_natively_without_torch_and_prints_the_same_text(tiny_data, tmp_path, quantize):
-    """int4: its int8 LM head goes through FBGEMM where the CPU has VNNI, packed by the runner."""
-    model = _model_dir(tiny_data, tmp_path / "m")
+    """int4: its int8 LM head goes through FBGEMM where the CPU has VNNI, packed by the runner. A prompt longer than
+    ``PROMPT_TOKENS_MAX`` runs natively too (through the bundle's prefill package), with the ordinary text."""
+    model = _model_dir(tiny_data, tmp_path / "m", max_seq_len=256)
     env = {"MINIGPT_COMPILE_CACHE": str(tmp_path / "cache")}
     args = ["generate", model, "--prompt", "ROMEO:", "--temperature", "0", "--max-new-tokens", "24", "--compile",
             "--threads", "1", "--stats", *quantize]
     first = run_cli(*args, env=env)
     assert first.returncode == 0, first.stderr
-    assert "aoti-saved" in first.stderr
+    assert "aoti-saved" in first.stderr and "writing the native runner's bundle" in first.stderr
     ordinary = run_cli(*args, "--no-native", env=env)
     second = subprocess.run([sys.executable, "-X", "importtime", "-m", "minigpt", *map(str, args)],
                             capture_output=True, text=True, env={**CLI_ENV, **env}, timeout=300)
@@ -232,6 +233,12 @@ def test_the_second_compiled_call_runs_natively_without_torch_and_prints_the_sam
     imported = {line.rsplit("|", 1)[-1].strip() for line in second.stderr.splitlines() if "|" in line}
     assert "minigpt.cli.quick" in imported and "torch" not in imported
     assert second.stdout == first.stdout == ordinary.stdout
+    long_prompt = "ROMEO: But soft, what light through yonder window breaks? " * 3
+    assert 2 * quick.PROMPT_TOKENS_MAX > len(Tokenizer.from_dir(model).encode(long_prompt)) > quick.PROMPT_TOKENS_MAX
+    long_args = [str(a) if a != "ROMEO:" else long_prompt for a in args]
+    native, plain = run_cli(*long_args, env=env), run_cli(*long_args, "--no-native", env=env)
+    assert native.returncode == 0 and plain.returncode == 0, native.stderr + plain.stderr
+    assert "1 native" in native.stderr and native.stdout == plain.stdout
     # A damaged bundle: one warning, and the ordinary command's output.
     bundle = next((tmp_path / "cache" / "native").iterdir())
     (bundle / "tensors.bin").write_bytes(b"")
@@ -240,3 +247,67 @@ def test_the_second_compiled_call_runs_natively_without_torch_and_prints_the_sam
     assert "running without the native runner" in third.stderr and "aoti-loaded" in third.stderr
     assert third.stdout == first.stdout
     assert (bundle / "tensors.bin").stat().st_size > 0  # written again by that call
+
+
+def _greedy_after_the_prefill_package(fp, package, prompt: list[int], n: int, rows: tuple[int, int]) -> list[int]:
+    """What the native runner computes with a prefill package, in Python: all but the prompt's last token through
+    the package in calls of at most ``rows[1]`` tokens, each padded with zeros to ``rows[0]``, then the step."""
+    cache = fp.new_kv_cache(1, launcher.cache_length(len(prompt) + n, fp.config.max_seq_len))
+    zero = torch.zeros(1, dtype=torch.long)
+    p = 0
+    with torch.inference_mode():
+        while p < len(prompt) - 1:
+            chunk = prompt[p:min(p + rows[1], len(prompt) - 1)]
+            tokens = torch.tensor([chunk + [0] * (rows[0] - len(chunk))])
+            package(tokens, torch.tensor([p]), zero, cache.k, cache.v)
+            p += len(chunk)
+        out = []
+        for pos in range(p, len(prompt) + n - 1):
+            token = prompt[pos] if pos < len(prompt) else out[-1]
+            nxt = int(fp.decode_step(torch.tensor([[token]]), pos, cache).argmax())
+            if pos >= len(prompt) - 1:
+                out.append(nxt)
+    return out
+
+
+@pytest.mark.slow  # compiles two packages and builds the runner, ~90 s
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_the_runner_prefills_the_prompt_through_its_package(tiny_data, tmp_path, monkeypatch, quantize):
+    """The bundle's prefill package takes all but the prompt's last token, in calls of at most ``prefill_rows[1]``
+    tokens padded to ``prefill_rows[0]``: the runner gives what those calls and the step give in Python, the keys
+    and values of the one-token step to float rounding, and its greedy tokens, for prompts of 1, 2 (padded), 12
+    and 40 (three calls of up to 16) tokens; a bundle without one still runs, a token at a time."""
+    from minigpt.infer.fastpath.aoti import PREFILL_ROWS_MIN, PackagedStep
+
+    monkeypatch.setenv(launcher.ENV, str(tmp_path / "cache"))
+    model = _model_dir(tiny_data, tmp_path / "m")
+    fp = load_for_inference(model, quantize=quantize, compile=True, aoti=True)
+    prompts = [[7], [5, 17], [5, 17, 3, 22, 9, 30, 2, 11, 8, 19, 4, 26], [(i * 7 + 3) % 31 + 1 for i in range(40)]]
+    steps = {tuple(p): _greedy_through_the_step(fp, p, 16) for p in prompts}
+    bundle = write_bundle(fp, model, "float32", quantize, 1, False, [])
+    manifest = launcher.read_manifest(launcher.launch_key(model, "float32", quantize, 1))
+    assert manifest["prefill"] is not None and manifest["prefill_rows"][0] == PREFILL_ROWS_MIN
+    package = PackagedStep(Path(manifest["prefill"]), fp)
+    # The cache columns of a 12-token prompt's first 11, against the step's a token at a time.
+    prompt = prompts[2]
+    ours, theirs = fp.new_kv_cache(1, 64), fp.new_kv_cache(1, 64)
+    with torch.inference_mode():
+        package(torch.tensor([prompt[:11]]), torch.tensor([0]), torch.tensor([0]), ours.k, ours.v)
+        for pos, token in enumerate(prompt[:11]):
+            fp.decode_step(torch.tensor([[token]]), pos, theirs)
+    for a, b in zip(ours.k + ours.v, theirs.k + theirs.v):
+        torch.testing.assert_close(a[:, :, :11], b[:, :, :11], rtol=1e-4, atol=1e-5)
+        assert not a[:, :, :11].eq(0).all()
+    files = Path(manifest["runner"]), Path(manifest["package"]), bundle
+    for rows in [(PREFILL_ROWS_MIN, 16), tuple(manifest["prefill_rows"])]:
+        with launcher.NativeRunner(*files, threads=1, prefill=Path(manifest["prefill"]), prefill_rows=rows) as runner:
+            for p in prompts:
+                got = runner.generate(p, 16, cache_len=launcher.cache_length(len(p) + 16, manifest["positions"]))
+                assert got == _greedy_after_the_prefill_package(fp, package, p, 16, rows), (rows, len(p))
+                assert got == steps[tuple(p)], (rows, len(p))
+                assert runner.prefilled == len(p) - 1
+    with launcher.NativeRunner(*files, threads=1) as runner:  # no prefill package
+        assert runner.generate(prompts[3], 16) == steps[tuple(prompts[3])] and runner.prefilled == 0
+    with pytest.raises(launcher.NativeError, match="prefill_min <= prefill_max"):
+        with launcher.NativeRunner(*files, threads=1, prefill=Path(manifest["prefill"]), prefill_rows=(16, 9)) as r:
+            r.generate(prompts[3], 4)

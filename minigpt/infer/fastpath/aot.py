@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch._guards import TracingContext, tracing
 
-from minigpt.infer.fastpath.aoti import SUFFIX, PackagedStep, export_package
+from minigpt.infer.fastpath.aoti import PREFILL_ROWS_MIN, SUFFIX, PackagedStep, export_package
 from minigpt.infer.fastpath.library import OwnInt8
 from minigpt.infer.fastpath.step import compile_step, simd_options
 
@@ -186,6 +186,42 @@ def _packaged_step(fp, example_args: tuple, directory: Path, path: Path, greedy:
     return step, source
 
 
+def prefill_package(fp, directory: Optional[Path] = None) -> Optional[Path]:
+    """The prefill package of FastPath ``fp``: :class:`~minigpt.infer.fastpath.aoti.StepModule` with ``prefill``
+    (the keys and values of a batch-1 prompt, from ``PREFILL_ROWS_MIN`` to ``PREFILL_ROWS_MAX`` tokens a call, any
+    cache length; no logits), compiled and saved in ``directory`` (None: :func:`cache_dir`) when it is not there
+    already; returns its path, or None when the cache is off or packaging fails (one warning). What the native
+    runner feeds a prompt through (:func:`~minigpt.infer.native.write_bundle`): a prompt's rows share one read of
+    the weights, where the one-token step reads them once per token.
+
+    Why a second package rather than the step with more rows: a step's products are reductions that read every
+    weight once for up to ``DECODE_ROWS_MAX`` rows, while a prompt's go through GEMMs (and its int8 and int4 ones
+    through the same kernels as the step's), which Inductor picks by the number of rows when it traces them.
+    Costs one more export and C++ build, about the step's (a few minutes at 135M on 2 cores), once per machine
+    and model structure, in the ``--compile`` call that writes the bundle."""
+    directory = cache_dir() if directory is None else Path(directory)
+    if directory is None:
+        return None
+    rows = 2 * PREFILL_ROWS_MIN  # an example inside the exported range (neither end: export specialises 0 and 1)
+    cache = fp.new_kv_cache(1, 2 * rows)
+    zero = torch.zeros(1, dtype=torch.long, device=fp.device)
+    args = (torch.zeros(1, rows, dtype=torch.long, device=fp.device), zero, zero.clone(), cache.k, cache.v)
+    path = directory / f"{step_key(fp, 1, ('prefill', PREFILL_ROWS_MIN), None, args)}{SUFFIX}"
+    if path.is_file() and _trusted(path):
+        mark_used(path)
+        return path
+    try:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with torch.inference_mode():
+            export_package(fp, args, path, prefill=True)
+        _prune_after_save(directory, path)
+    except Exception as e:  # the bundle goes without it: its prompts are fed a token at a time
+        _warn(f"packaging the prefill step with AOTInductor failed ({type(e).__name__}: {str(e)[:200]}); the "
+              "native runner will feed prompts a token at a time")
+        return None
+    return path
+
+
 def _bound(compiled, fp) -> Callable:
     """``compiled`` with ``fp`` as its first argument, without its per-call guard check: binding the call's
     arguments to the signature and running the global-state guards would cost every token tens of microseconds,
@@ -209,7 +245,8 @@ def prune_steps(directory: Path, keep: Path, limit: int) -> list[Path]:
     pinned = {keep.absolute()}
     for manifest in (directory / "native").glob("*/manifest.json"):
         try:
-            pinned.add(Path(json.loads(manifest.read_text())["package"]).absolute())
+            named = json.loads(manifest.read_text())
+            pinned.update(Path(named[k]).absolute() for k in ("package", "prefill") if named.get(k) is not None)
         except (OSError, ValueError, KeyError, TypeError):
             continue
     files = []

@@ -37,12 +37,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from minigpt.infer.fastpath.kernels import LayerWeights, Proj
-from minigpt.infer.fastpath.step import simd_options, static_greedy_step, static_step
+from minigpt.infer.fastpath.kernels import DECODE_ROWS_MAX, LayerWeights, Proj
+from minigpt.infer.fastpath.step import simd_options, static_greedy_step, static_prefill, static_step
 
 SUFFIX = ".pt2"
 _SLOTS = ("weight", "scale", "bias", "words", "word_scale")  # Proj's tensors (w8a8 is FBGEMM's packed object)
 _PROJECTIONS = ("wqkv", "wo", "w13", "w2")
+# The prompt rows a prefill package takes at once (StepModule(prefill=True)): at least one more than the rows of a
+# decode step's reduction loops, so that every product is a GEMM (a caller pads a shorter prompt: columns past it
+# are written and then overwritten before any step reads them), at most what keeps the attention's scores small
+# ([n_heads, rows, cache columns] floats per layer).
+PREFILL_ROWS_MIN = DECODE_ROWS_MAX + 1
+PREFILL_ROWS_MAX = 512
 
 
 def step_projections(fp) -> dict:
@@ -78,7 +84,9 @@ class StepModule(nn.Module):
     """:func:`~minigpt.infer.fastpath.step.static_step` of FastPath ``fp`` as a module whose buffers are
     :func:`step_tensors` (not copies): what ``torch.export`` traces. ``forward(token [batch, seq], input_pos [1],
     pad [batch], k_cache, v_cache)`` -> ``(logits [batch, seq, vocab],)``, with ``greedy``
-    :func:`~minigpt.infer.fastpath.step.static_greedy_step`'s ``(next, h)``; the new tokens' keys and values are
+    :func:`~minigpt.infer.fastpath.step.static_greedy_step`'s ``(next, h)``, with ``prefill``
+    :func:`~minigpt.infer.fastpath.step.static_prefill`'s cache columns only and ``(columns [seq],)`` (int64: the
+    columns written; a package must return something); the new tokens' keys and values are
     written into ``k_cache`` / ``v_cache`` (per layer ``[batch, n_kv_heads, T, head_dim]``) at columns
     ``input_pos .. input_pos + seq - 1`` inside the graph.
 
@@ -88,10 +96,10 @@ class StepModule(nn.Module):
     keeps a user input's in-place mutation on that input, bounds-checked). The ``torch.compile`` step keeps its
     writes outside: its nested compile regions corrupted the cache when they wrote it (step.static_step)."""
 
-    def __init__(self, fp, greedy: bool = False) -> None:
+    def __init__(self, fp, greedy: bool = False, prefill: bool = False) -> None:
         super().__init__()
         self.__dict__["fp"] = fp  # not a submodule: only the step's structure (eps, geometry) is read from it
-        self.greedy = greedy
+        self.greedy, self.prefill = greedy, prefill
         for name, t in step_tensors(fp).items():
             self.register_buffer(name, t, persistent=False)
 
@@ -107,12 +115,16 @@ class StepModule(nn.Module):
         view = types.SimpleNamespace(embedding=self.embedding, final_norm=self.final_norm, cos=self.cos,
                                      sin_signed=self.sin_signed, final_eps=fp.final_eps, geometry=fp.geometry,
                                      head=self._proj("head"), layers=layers)
-        if self.greedy:
+        if self.greedy and not self.prefill:
             view.screen = types.SimpleNamespace(proj=self._proj("screen"), bound=self.screen_bound,
                                                 native=fp.screen.native)
-        step = static_greedy_step if self.greedy else static_step
-        first, new_k, new_v, *rest = step(view, token, input_pos, pad, k_cache, v_cache, regions=False)
         columns = input_pos + torch.arange(token.shape[1], device=token.device)
+        if self.prefill:  # the cache columns alone; the package returns the columns it wrote (it must return one)
+            new_k, new_v = static_prefill(view, token, input_pos, pad, k_cache, v_cache, regions=False)
+            first, rest = columns, []
+        else:
+            step = static_greedy_step if self.greedy else static_step
+            first, new_k, new_v, *rest = step(view, token, input_pos, pad, k_cache, v_cache, regions=False)
         for cache_k, cache_v, k, v in zip(k_cache, v_cache, new_k, new_v):
             cache_k.index_copy_(2, columns, k)
             cache_v.index_copy_(2, columns, v)
@@ -138,7 +150,7 @@ def remove_stale_partials(directory: Path, max_age_s: float = PARTIAL_MAX_AGE_S)
     return removed
 
 
-def _any_cache_length(example_args: tuple) -> dict:
+def _any_cache_length(example_args: tuple, prefill: bool = False) -> dict:
     """``torch.export``'s ``dynamic_shapes`` for the step's arguments: every shape static but the caches' length
     (dimension 2 of each ``[batch, n_kv_heads, T, head_dim]``), one symbol shared by all layers.
 
@@ -149,7 +161,9 @@ def _any_cache_length(example_args: tuple) -> dict:
     the host's noise), the same tokens and, for one step, the same logits to the bit."""
     length = torch.export.Dim("cache_len", min=2)
     _, _, _, k_cache, v_cache = example_args
-    return {"token": None, "input_pos": None, "pad": None, "k_cache": [{2: length}] * len(k_cache),
+    # A prefill package's prompt rows too: from PREFILL_ROWS_MIN, so that every product takes its many-rows path.
+    rows = {1: torch.export.Dim("rows", min=PREFILL_ROWS_MIN, max=PREFILL_ROWS_MAX)} if prefill else None
+    return {"token": rows, "input_pos": None, "pad": None, "k_cache": [{2: length}] * len(k_cache),
             "v_cache": [{2: length}] * len(v_cache)}
 
 
@@ -162,16 +176,17 @@ def _exporting():
         yield
 
 
-def export_step(fp, example_args: tuple, greedy: bool = False) -> torch.export.ExportedProgram:
-    """``torch.export`` of :class:`StepModule` (``greedy``: the screened greedy step) of FastPath ``fp`` for the
-    shapes of ``example_args`` (``token``, ``input_pos``, ``pad``, ``k_cache``, ``v_cache``), the cache length left
-    dynamic (:func:`_any_cache_length`): what :func:`export_package` compiles. Raises whatever export raises."""
+def export_step(fp, example_args: tuple, greedy: bool = False, prefill: bool = False) -> torch.export.ExportedProgram:
+    """``torch.export`` of :class:`StepModule` (``greedy``: the screened greedy step; ``prefill``: the prefill
+    package's module) of FastPath ``fp`` for the shapes of ``example_args`` (``token``, ``input_pos``, ``pad``,
+    ``k_cache``, ``v_cache``), the cache length left dynamic (:func:`_any_cache_length`), and with ``prefill`` the
+    number of tokens too: what :func:`export_package` compiles. Raises whatever export raises."""
     with _exporting():
-        return torch.export.export(StepModule(fp, greedy), example_args,
-                                   dynamic_shapes=_any_cache_length(example_args), strict=False)
+        return torch.export.export(StepModule(fp, greedy, prefill), example_args,
+                                   dynamic_shapes=_any_cache_length(example_args, prefill), strict=False)
 
 
-def export_package(fp, example_args: tuple, path: Path, greedy: bool = False) -> None:
+def export_package(fp, example_args: tuple, path: Path, greedy: bool = False, prefill: bool = False) -> None:
     """Export the step (:func:`export_step`) and compile it into an AOTInductor package at ``path``, written to a
     temporary file and renamed (readable by this user only); stale temporary files of killed compiles are removed
     first (:func:`remove_stale_partials`). Raises whatever export or Inductor raise."""
@@ -183,7 +198,7 @@ def export_package(fp, example_args: tuple, path: Path, greedy: bool = False) ->
     fd, tmp = tempfile.mkstemp(prefix=".partial-", suffix=SUFFIX, dir=path.parent)
     os.close(fd)
     try:
-        exported = export_step(fp, example_args, greedy)
+        exported = export_step(fp, example_args, greedy, prefill)
         with _exporting():
             torch._inductor.aoti_compile_and_package(exported, package_path=tmp, inductor_configs=configs)
         os.chmod(tmp, 0o600)

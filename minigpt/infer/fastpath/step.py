@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from minigpt.errors import MiniGPTError
-from minigpt.infer.fastpath.kernels import ACT_DTYPE, Proj, decode_linear
+from minigpt.infer.fastpath.kernels import ACT_DTYPE, DECODE_ROWS_MAX, Proj, decode_linear
 from minigpt.infer.fastpath.screen import screened_argmax
 from minigpt.model.ffn import ffn_hidden
 from minigpt.model.norm import rms_norm
@@ -139,6 +139,16 @@ def static_greedy_step(fp, token: torch.Tensor, input_pos: torch.Tensor, pad: to
     return screened_argmax(fp.head.weight, sc.proj, sc.bound, h, sc.native), new_k, new_v, h
 
 
+def static_prefill(fp, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Tensor,
+                   k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], regions: bool = True):
+    """:func:`static_step` without its logits: ``(new_k, new_v)`` of ``seq`` prompt tokens (``token`` ``[batch,
+    seq]``), per layer ``[batch, n_kv_heads, seq, head_dim]``, for a prompt's cache columns when only the logits of
+    its last token are wanted (the native runner's prefill package, :class:`~minigpt.infer.fastpath.aoti.StepModule`).
+    No output reads the last layer's attention output or feed-forward, so a traced graph drops them."""
+    _, new_k, new_v = _trunk(fp, token, input_pos, pad, k_cache, v_cache, regions)
+    return new_k, new_v
+
+
 def _trunk(fp, token, input_pos, pad, k_cache, v_cache, regions: bool = True):
     """The layers of the step: ``(h [batch, seq, dim] before the final norm, new_k, new_v)``.
 
@@ -196,6 +206,9 @@ def decode_layer(h, k_cache, v_cache, key_valid, cos, sin, attn_norm, wqkv, wqkv
         k = qk[:, :, nh:].transpose(1, 2)  # [batch, n_kv_heads, seq, head_dim]
         v = qkv[:, :, nh + nkv:].transpose(1, 2)
         new_kv.extend((k, v))
+        if seq > DECODE_ROWS_MAX:  # a prompt's rows (the prefill package): one SDPA call, its masked kernel
+            return decode_linear(Proj(wo, wo_scale, wo_bias, wo_words, wo_ws), _prompt_attention(q, k, v, k_cache,
+                                 v_cache, key_valid, g.scale), g.group_size, g.w8a8, g.float_mv)
         # Scores and weighted values as broadcast reductions rather than batched matmuls: the products are tiny
         # ([n_rep * seq, head_dim] x [head_dim, T] per KV head), so a BLAS call costs more in overhead than in
         # arithmetic, while Inductor fuses them with the mask and the softmax into a couple of loops.
@@ -228,6 +241,22 @@ def decode_layer(h, k_cache, v_cache, key_valid, cos, sin, attn_norm, wqkv, wqkv
     k, v = new_kv
     # Clones: a region's outputs may not alias each other or its inputs (they are a few hundred floats).
     return h, k.clone(), v.clone()
+
+
+def _prompt_attention(q, k, v, k_cache, v_cache, key_valid, scale: float) -> torch.Tensor:
+    """Attention of many new rows: ``q`` ``[batch, seq, n_heads, head_dim]``, the new ``k``/``v`` ``[batch,
+    n_kv_heads, seq, head_dim]`` after the cache's columns (valid under ``key_valid`` ``[batch, 1, 1, T]``), each row
+    seeing the new keys up to its own -> ``[batch, seq, n_heads * head_dim]``.
+
+    Why not the step's broadcast reductions: they cost ``rows x (T + rows)`` scalar-ish loops a head, which a
+    prompt's hundreds of rows feel (a 245-token prompt through the prefill package of SmolLM-135M's shape, 2-core
+    Zen 3: 2x the eager forward's time, docs/benchmarks.md); SDPA's CPU kernel takes the same mask in blocks."""
+    batch, seq = q.shape[0], q.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    mask = torch.cat([key_valid.expand(batch, 1, seq, key_valid.shape[-1]), causal.expand(batch, 1, seq, seq)], -1)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), torch.cat([k_cache, k], 2), torch.cat([v_cache, v], 2),
+                                         attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(batch, seq, -1)
 
 
 # Under torch.compile a decode layer is one nested compile region: Inductor compiles it once and stamps the code out
