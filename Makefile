@@ -61,7 +61,7 @@ test: lint
 	$(PY) -m pytest -q --durations=25
 
 test-slow: install-dev
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m slow --durations=25
 
 clean:
 	rm -rf runs data .pytest_cache

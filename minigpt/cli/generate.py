@@ -211,13 +211,14 @@ def _write_native_bundle(model, ckpt: Path, args: argparse.Namespace, bos: bool,
     (:mod:`minigpt.cli.quick`); a failure to write it costs one warning, not this call's output."""
     import warnings
 
-    from minigpt.infer.launcher import cache_dir, launch_key
+    from minigpt.infer.launcher import bundle_dir, launch_key
     from minigpt.infer.native import write_bundle
 
     if getattr(model, "packages", None) is None:
         return
-    key, directory = launch_key(ckpt, args.dtype, args.quantize, args.threads), cache_dir()
-    if key is not None and directory is not None and not (directory / "native" / key / "manifest.json").is_file():
+    key = launch_key(ckpt, args.dtype, args.quantize, args.threads)
+    bundle = bundle_dir(key) if key is not None else None
+    if bundle is not None and not (bundle / "manifest.json").is_file():
         print("writing the native runner's bundle, which later identical calls run without importing torch (once; "
               "compiling its prefill step takes minutes on a small CPU)", file=sys.stderr, flush=True)
     try:

@@ -83,6 +83,16 @@ def cache_dir() -> Optional[Path]:
     return Path(base) / "minigpt" / "compiled"
 
 
+BUNDLES = "native"  # the compile cache's subdirectory of native bundles, one directory per launch key
+
+
+def bundle_dir(key: str, directory: Optional[Path] = None) -> Optional[Path]:
+    """The directory of bundle ``key`` (its ``manifest.json``, ``tensors.bin``, ...) under the compile cache
+    ``directory`` (None: :func:`cache_dir`), whether or not it exists; None when the cache is off."""
+    directory = cache_dir() if directory is None else directory
+    return None if directory is None else directory / BUNDLES / key
+
+
 @lru_cache(maxsize=1)
 def source_digest() -> str:
     """sha256 of the sources the compiled step traces: minigpt/model and minigpt/infer/fastpath (``*.py``)."""
@@ -258,10 +268,10 @@ def read_manifest(key: str) -> Optional[dict]:
     """The manifest of bundle ``key`` in the compile cache, or None when there is none or it cannot be used (not
     trusted, unreadable, or naming files that are gone); its modification time is set to now (the bundle's last
     use, which :func:`minigpt.infer.native.prune_bundles` orders by)."""
-    directory = cache_dir()
-    if directory is None:
+    bundle = bundle_dir(key)
+    if bundle is None:
         return None
-    path = directory / "native" / key / "manifest.json"
+    path = bundle / "manifest.json"
     try:
         if not path.is_file() or not trusted(path):
             return None

@@ -35,7 +35,7 @@ from minigpt.infer.fastpath.aoti import (
     step_tensors,
 )
 from minigpt.infer.fastpath.library import build_runner
-from minigpt.infer.launcher import FORMAT, cache_dir, launch_key, mark_used, size_limit
+from minigpt.infer.launcher import FORMAT, bundle_dir, cache_dir, launch_key, mark_used, size_limit
 
 LIMIT_ENV = "MINIGPT_NATIVE_CACHE_GB"
 LIMIT_GB = 8.0  # the default: GB (10^9 bytes) of bundles kept
@@ -61,7 +61,7 @@ def write_bundle(fp, source: Path, dtype: str, quantize: Optional[str], threads:
     packages = [p for p in getattr(fp, "packages", {})]
     if key is None or directory is None or len(packages) != 1:
         return None
-    bundle = directory / "native" / key
+    bundle = bundle_dir(key, directory)
     if (bundle / "manifest.json").is_file():
         mark_used(bundle / "manifest.json")
         prefill = json.loads((bundle / "manifest.json").read_text()).get("prefill")

@@ -60,6 +60,16 @@ def test_a_use_refreshes_a_bundle(tmp_path, monkeypatch):
     assert launcher.read_manifest("busy") is None
 
 
+def test_every_reader_and_writer_finds_a_bundle_in_one_place(tmp_path, monkeypatch):
+    """``launcher.bundle_dir``: where ``read_manifest``, ``native.write_bundle`` and ``generate --compile``'s notice
+    look for bundle ``key``; None with the cache off, and then no manifest is read."""
+    monkeypatch.setenv(launcher.ENV, str(tmp_path))
+    assert launcher.bundle_dir("k") == tmp_path / "native" / "k"
+    assert launcher.bundle_dir("k", tmp_path / "other") == tmp_path / "other" / "native" / "k"
+    monkeypatch.setenv(launcher.ENV, "off")
+    assert launcher.bundle_dir("k") is None and launcher.read_manifest("k") is None
+
+
 def test_leftovers_of_killed_writes_go_when_a_day_old(tmp_path):
     now = time.time()
     new = _bundle(tmp_path, "new", 10, now)

@@ -208,7 +208,7 @@ def test_an_int8_package_calls_fbgemm_and_gives_the_compiled_steps_tokens(tmp_pa
 
 
 def test_a_packages_key_leaves_out_the_cache_length_and_a_saved_steps_keeps_it():
-    """A package is exported with the cache length dynamic (aoti._any_cache_length), so its file name must not
+    """A package is exported with the cache length dynamic (aoti._dynamic_shapes), so its file name must not
     depend on it; a saved torch.compile step is specialised to it, so its name must."""
     fp = FastPath(make(), compile=True, compile_cache=False)
     short, long = _step_args(fp, 32), _step_args(fp, 64)
@@ -216,7 +216,7 @@ def test_a_packages_key_leaves_out_the_cache_length_and_a_saved_steps_keeps_it()
     assert aot.step_key(fp, 1, 1, 32, short) != aot.step_key(fp, 1, 1, 64, long)
     assert aot.step_key(fp, 1, 1, None, short) != aot.step_key(fp, 2, 1, None, short)
     assert aot.step_key(fp, 1, 1, None, short) != aot.step_key(fp, 1, 1, 32, short)
-    dynamic = aoti._any_cache_length(long)
+    dynamic = aoti._dynamic_shapes(long)
     assert [d[2].__name__ for d in dynamic["k_cache"] + dynamic["v_cache"]] == ["cache_len"] * 4
 
 

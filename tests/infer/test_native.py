@@ -271,21 +271,23 @@ def _greedy_after_the_prefill_package(fp, package, prompt: list[int], n: int, ro
 
 
 @pytest.mark.slow  # compiles two packages and builds the runner, ~90 s
-@pytest.mark.parametrize("quantize", [None, "int8"])
-def test_the_runner_prefills_the_prompt_through_its_package(tiny_data, tmp_path, monkeypatch, quantize):
+@pytest.mark.parametrize("dtype,quantize", [("float32", None), ("float32", "int8"), ("float32", "int4"),
+                                            ("bfloat16", None)])
+def test_the_runner_prefills_the_prompt_through_its_package(tiny_data, tmp_path, monkeypatch, dtype, quantize):
     """The bundle's prefill package takes all but the prompt's last token, in calls of at most ``prefill_rows[1]``
     tokens padded to ``prefill_rows[0]``: the runner gives what those calls and the step give in Python, the keys
     and values of the one-token step to float rounding, and its greedy tokens, for prompts of 1, 2 (padded), 12
-    and 40 (three calls of up to 16) tokens; a bundle without one still runs, a token at a time."""
+    and 40 (three calls of up to 16) tokens; a bundle without one still runs, a token at a time. At every
+    precision the runner serves: each has its own products in the package (GEMMs, int8 and int4 kernels)."""
     from minigpt.infer.fastpath.aoti import PREFILL_ROWS_MIN, PackagedStep
 
     monkeypatch.setenv(launcher.ENV, str(tmp_path / "cache"))
     model = _model_dir(tiny_data, tmp_path / "m")
-    fp = load_for_inference(model, quantize=quantize, compile=True, aoti=True)
+    fp = load_for_inference(model, dtype=getattr(torch, dtype), quantize=quantize, compile=True, aoti=True)
     prompts = [[7], [5, 17], [5, 17, 3, 22, 9, 30, 2, 11, 8, 19, 4, 26], [(i * 7 + 3) % 31 + 1 for i in range(40)]]
     steps = {tuple(p): _greedy_through_the_step(fp, p, 16) for p in prompts}
-    bundle = write_bundle(fp, model, "float32", quantize, 1, False, [])
-    manifest = launcher.read_manifest(launcher.launch_key(model, "float32", quantize, 1))
+    bundle = write_bundle(fp, model, dtype, quantize, 1, False, [])
+    manifest = launcher.read_manifest(launcher.launch_key(model, dtype, quantize, 1))
     assert manifest["prefill"] is not None and manifest["prefill_rows"][0] == PREFILL_ROWS_MIN
     package = PackagedStep(Path(manifest["prefill"]), fp)
     # The cache columns of a 12-token prompt's first 11, against the step's a token at a time.

@@ -45,7 +45,7 @@ from minigpt.infer.fastpath.step import compile_step, simd_options
 
 # Shared with the torch-free launcher, which must find the same cache and compute the same keys without torch.
 # (ENV: the variable's name, for callers.)
-from minigpt.infer.launcher import ENV, cache_dir, mark_used, size_limit  # noqa: F401
+from minigpt.infer.launcher import BUNDLES, ENV, cache_dir, mark_used, size_limit  # noqa: F401
 from minigpt.infer.launcher import isa as _isa
 from minigpt.infer.launcher import source_digest as _source_digest
 from minigpt.infer.launcher import trusted as _trusted
@@ -173,17 +173,32 @@ def _packaged_step(fp, example_args: tuple, directory: Path, path: Path, greedy:
         return loaded[path], "aoti-loaded"
     step, source = _load_saved(path, lambda p: PackagedStep(p, fp)), "aoti-loaded"
     if step is None:
+        # export and AOTInductor are young: on any failure the torch.compile step still works
+        if not _save_package(fp, example_args, directory, path, "the compiled step", "using the torch.compile step",
+                             greedy=greedy):
+            return None
         try:
-            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-            export_package(fp, example_args, path, greedy)
-            _prune_after_save(directory, path)
             step, source = PackagedStep(path, fp), "aoti-saved"
-        except Exception as e:  # export and AOTInductor are young: the torch.compile step still works
-            _warn(f"packaging the compiled step with AOTInductor failed ({type(e).__name__}: {str(e)[:200]}); "
+        except Exception as e:
+            _warn(f"loading the compiled step's new package failed ({type(e).__name__}: {str(e)[:200]}); "
                   "using the torch.compile step")
             return None
     loaded[path] = step
     return step, source
+
+
+def _save_package(fp, example_args: tuple, directory: Path, path: Path, what: str, otherwise: str, **kind) -> bool:
+    """Export and compile a package of FastPath ``fp`` at ``path`` in the cache ``directory``
+    (:func:`~minigpt.infer.fastpath.aoti.export_package`, ``kind``: its ``greedy`` / ``prefill``), then trim the
+    cache; False after one warning (``what`` failed; ``otherwise``, what happens instead) when anything fails."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        export_package(fp, example_args, path, **kind)
+        _prune_after_save(directory, path)
+        return True
+    except Exception as e:  # any failure of export, Inductor or the C++ build
+        _warn(f"packaging {what} with AOTInductor failed ({type(e).__name__}: {str(e)[:200]}); {otherwise}")
+        return False
 
 
 def prefill_package(fp, directory: Optional[Path] = None) -> Optional[Path]:
@@ -210,16 +225,10 @@ def prefill_package(fp, directory: Optional[Path] = None) -> Optional[Path]:
     if path.is_file() and _trusted(path):
         mark_used(path)
         return path
-    try:
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with torch.inference_mode():
-            export_package(fp, args, path, prefill=True)
-        _prune_after_save(directory, path)
-    except Exception as e:  # the bundle goes without it: its prompts are fed a token at a time
-        _warn(f"packaging the prefill step with AOTInductor failed ({type(e).__name__}: {str(e)[:200]}); the "
-              "native runner will feed prompts a token at a time")
-        return None
-    return path
+    with torch.inference_mode():  # the bundle goes without it on failure: its prompts are fed a token at a time
+        saved = _save_package(fp, args, directory, path, "the prefill step",
+                              "the native runner will feed prompts a token at a time", prefill=True)
+    return path if saved else None
 
 
 def _bound(compiled, fp) -> Callable:
@@ -243,7 +252,7 @@ def prune_steps(directory: Path, keep: Path, limit: int) -> list[Path]:
     a native bundle names (``native/*/manifest.json``: its runner loads that file). Links and temporary files are
     left alone; a file that vanishes meanwhile is skipped."""
     pinned = {keep.absolute()}
-    for manifest in (directory / "native").glob("*/manifest.json"):
+    for manifest in (directory / BUNDLES).glob("*/manifest.json"):
         try:
             named = json.loads(manifest.read_text())
             pinned.update(Path(named[k]).absolute() for k in ("package", "prefill") if named.get(k) is not None)

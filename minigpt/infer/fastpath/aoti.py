@@ -15,7 +15,7 @@ exported with ``torch.export`` and compiled with ``torch._inductor.aoti_compile_
 constants (``aot_inductor.package_constants_in_so=False``): the package holds code only (~4 MB at 135M), and
 :class:`PackagedStep` hands it the FastPath's own tensors by name (``load_constants(..., user_managed=True)``: no
 copy), so one package serves every checkpoint of the same shapes, as a saved ``.step`` does; the cache length is
-left dynamic in the export, so one package also serves every cache length (:func:`_any_cache_length`). Its file
+left dynamic in the export, so one package also serves every cache length (:func:`_dynamic_shapes`). Its file
 name is :func:`~minigpt.infer.fastpath.aot.step_key` without the cache length (torch version, sources, CPU flags,
 batch and new tokens, every weight's dtype, shape and strides, threads) with the suffix ``.pt2``, in the same
 directory and under the same trust rules.
@@ -150,9 +150,10 @@ def remove_stale_partials(directory: Path, max_age_s: float = PARTIAL_MAX_AGE_S)
     return removed
 
 
-def _any_cache_length(example_args: tuple, prefill: bool = False) -> dict:
+def _dynamic_shapes(example_args: tuple, prefill: bool = False) -> dict:
     """``torch.export``'s ``dynamic_shapes`` for the step's arguments: every shape static but the caches' length
-    (dimension 2 of each ``[batch, n_kv_heads, T, head_dim]``), one symbol shared by all layers.
+    (dimension 2 of each ``[batch, n_kv_heads, T, head_dim]``), one symbol shared by all layers, and with ``prefill``
+    the number of prompt rows (dimension 1 of ``token``, ``PREFILL_ROWS_MIN`` to ``PREFILL_ROWS_MAX``).
 
     Why: the cache length is the prompt plus the new tokens rounded up to ``CACHE_BUCKET``, so a static one made
     every new bucket (a longer prompt, another ``--max-new-tokens``) cost a first compile of 76-157 s at 135M on 2
@@ -179,11 +180,11 @@ def _exporting():
 def export_step(fp, example_args: tuple, greedy: bool = False, prefill: bool = False) -> torch.export.ExportedProgram:
     """``torch.export`` of :class:`StepModule` (``greedy``: the screened greedy step; ``prefill``: the prefill
     package's module) of FastPath ``fp`` for the shapes of ``example_args`` (``token``, ``input_pos``, ``pad``,
-    ``k_cache``, ``v_cache``), the cache length left dynamic (:func:`_any_cache_length`), and with ``prefill`` the
+    ``k_cache``, ``v_cache``), the cache length left dynamic (:func:`_dynamic_shapes`), and with ``prefill`` the
     number of tokens too: what :func:`export_package` compiles. Raises whatever export raises."""
     with _exporting():
         return torch.export.export(StepModule(fp, greedy, prefill), example_args,
-                                   dynamic_shapes=_any_cache_length(example_args, prefill), strict=False)
+                                   dynamic_shapes=_dynamic_shapes(example_args, prefill), strict=False)
 
 
 def export_package(fp, example_args: tuple, path: Path, greedy: bool = False, prefill: bool = False) -> None:

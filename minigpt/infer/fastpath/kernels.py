@@ -216,14 +216,17 @@ class Proj:
         if w.dtype == dtype:
             y = gemm(x2, w)
         else:
+            # Traced (the prefill package), a converted weight goes through F.linear: Inductor lowers oneDNN's
+            # linear op only on a weight that is one of the graph's constants (torch 2.13), not one computed in it.
+            product = F.linear if torch.compiler.is_compiling() else gemm
             out = w.shape[0]
             step = max(16, PREFILL_SLICE_BYTES // (n_in * x2.element_size()) // 16 * 16)
             if step >= out:
-                y = gemm(x2, self.converted(dtype))
+                y = product(x2, self.converted(dtype))
             else:
                 y = x2.new_empty(rows, out)
                 for start in range(0, out, step):
-                    y[:, start:start + step] = gemm(x2, self.converted(dtype, start, start + step))
+                    y[:, start:start + step] = product(x2, self.converted(dtype, start, start + step))
         y = y.to(x.dtype)
         if scale is not None and scale.dim() == 1:
             y = y * scale.to(x.dtype)

@@ -207,28 +207,9 @@ def decode_layer(h, k_cache, v_cache, key_valid, cos, sin, attn_norm, wqkv, wqkv
         v = qkv[:, :, nh + nkv:].transpose(1, 2)
         new_kv.extend((k, v))
         if seq > DECODE_ROWS_MAX:  # a prompt's rows (the prefill package): one SDPA call, its masked kernel
-            return decode_linear(Proj(wo, wo_scale, wo_bias, wo_words, wo_ws), _prompt_attention(q, k, v, k_cache,
-                                 v_cache, key_valid, g.scale), g.group_size, g.w8a8, g.float_mv)
-        # Scores and weighted values as broadcast reductions rather than batched matmuls: the products are tiny
-        # ([n_rep * seq, head_dim] x [head_dim, T] per KV head), so a BLAS call costs more in overhead than in
-        # arithmetic, while Inductor fuses them with the mask and the softmax into a couple of loops.
-        qg = q.reshape(batch, seq, nkv, nh // nkv, hd).permute(0, 2, 3, 1, 4)[..., None, :] * g.scale
-        # The identity view makes Inductor store the rotated, scaled queries once (its as_strided lowering
-        # realizes its input). Left to itself it inlines them into the score reduction, redoing RoPE's roll as a
-        # scalar gather for every cached key (the int4 layer's attention kernel: 60 us at 135M, T = 192; 22 us now).
-        qg = torch.as_strided(qg, qg.shape, qg.stride())
-        scores = (qg * k_cache[:, :, None, None, :, :]).sum(-1)  # [batch, n_kv, n_rep, seq, T]
-        scores = scores.masked_fill(~key_valid[:, :, :, None, :], float("-inf"))
-        # The new keys last, each query seeing those at or before its own position: [..., T + seq].
-        new_scores = (qg * k[:, :, None, None, :, :]).sum(-1)  # [batch, n_kv, n_rep, seq, seq]
-        if seq > 1:
-            causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
-            new_scores = new_scores.masked_fill(~causal, float("-inf"))
-        probs = torch.softmax(torch.cat([scores, new_scores], dim=-1), dim=-1)
-        t = k_cache.shape[2]
-        out = ((probs[..., :t, None] * v_cache[:, :, None, None, :, :]).sum(-2)
-               + (probs[..., t:, None] * v[:, :, None, None, :, :]).sum(-2))  # [batch, n_kv, n_rep, seq, head_dim]
-        out = out.permute(0, 3, 1, 2, 4).reshape(batch, seq, nh * hd)
+            out = _prompt_attention(q, k, v, k_cache, v_cache, key_valid, g.scale)
+        else:
+            out = _step_attention(q, k, v, k_cache, v_cache, key_valid, g.scale)
         return decode_linear(Proj(wo, wo_scale, wo_bias, wo_words, wo_ws), out, g.group_size, g.w8a8, g.float_mv)
 
     def feed_forward(x):
@@ -241,6 +222,34 @@ def decode_layer(h, k_cache, v_cache, key_valid, cos, sin, attn_norm, wqkv, wqkv
     k, v = new_kv
     # Clones: a region's outputs may not alias each other or its inputs (they are a few hundred floats).
     return h, k.clone(), v.clone()
+
+
+def _step_attention(q, k, v, k_cache, v_cache, key_valid, scale: float) -> torch.Tensor:
+    """Attention of a decode step's few new rows (at most ``DECODE_ROWS_MAX``), shapes as in
+    :func:`_prompt_attention`: ``q`` ``[batch, seq, n_heads, head_dim]`` -> ``[batch, seq, n_heads * head_dim]``.
+
+    Scores and weighted values as broadcast reductions rather than batched matmuls: the products are tiny
+    (``[n_rep * seq, head_dim] x [head_dim, T]`` per KV head), so a BLAS call costs more in overhead than in
+    arithmetic, while Inductor fuses them with the mask and the softmax into a couple of loops."""
+    batch, seq, nh, hd = q.shape
+    nkv = k.shape[1]
+    qg = q.reshape(batch, seq, nkv, nh // nkv, hd).permute(0, 2, 3, 1, 4)[..., None, :] * scale
+    # The identity view makes Inductor store the rotated, scaled queries once (its as_strided lowering
+    # realizes its input). Left to itself it inlines them into the score reduction, redoing RoPE's roll as a
+    # scalar gather for every cached key (the int4 layer's attention kernel: 60 us at 135M, T = 192; 22 us now).
+    qg = torch.as_strided(qg, qg.shape, qg.stride())
+    scores = (qg * k_cache[:, :, None, None, :, :]).sum(-1)  # [batch, n_kv, n_rep, seq, T]
+    scores = scores.masked_fill(~key_valid[:, :, :, None, :], float("-inf"))
+    # The new keys last, each query seeing those at or before its own position: [..., T + seq].
+    new_scores = (qg * k[:, :, None, None, :, :]).sum(-1)  # [batch, n_kv, n_rep, seq, seq]
+    if seq > 1:
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+        new_scores = new_scores.masked_fill(~causal, float("-inf"))
+    probs = torch.softmax(torch.cat([scores, new_scores], dim=-1), dim=-1)
+    t = k_cache.shape[2]
+    out = ((probs[..., :t, None] * v_cache[:, :, None, None, :, :]).sum(-2)
+           + (probs[..., t:, None] * v[:, :, None, None, :, :]).sum(-2))  # [batch, n_kv, n_rep, seq, head_dim]
+    return out.permute(0, 3, 1, 2, 4).reshape(batch, seq, nh * hd)
 
 
 def _prompt_attention(q, k, v, k_cache, v_cache, key_valid, scale: float) -> torch.Tensor:
