@@ -10,9 +10,20 @@ import pytest
 
 # Compiled decode steps are saved for later processes (minigpt.infer.fastpath.aot): the tests, and the CLIs they
 # start, keep theirs in a directory of this session rather than in the user's cache.
-os.environ["MINIGPT_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="minigpt-compiled-")
+SESSION_COMPILE_CACHE = Path(tempfile.mkdtemp(prefix="minigpt-compiled-"))
+os.environ["MINIGPT_COMPILE_CACHE"] = str(SESSION_COMPILE_CACHE)
 # Likewise the record of checkpoint files already hashed against their manifests (minigpt.checkpoint.atomic).
 os.environ["MINIGPT_VERIFIED_CACHE"] = str(Path(tempfile.mkdtemp(prefix="minigpt-verified-")) / "verified.json")
+_SESSION_DIRS = (SESSION_COMPILE_CACHE, Path(os.environ["MINIGPT_VERIFIED_CACHE"]).parent)
+
+
+def pytest_unconfigure(config):
+    """Remove this session's compile cache and stamp record: a run leaves ~0.5-50 MB there (the runner library,
+    packages), and CI hosts and workstations run the suite many times."""
+    import shutil
+
+    for directory in _SESSION_DIRS:
+        shutil.rmtree(directory, ignore_errors=True)
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -70,6 +81,26 @@ def failing_aot_compile(monkeypatch) -> list:
     monkeypatch.setattr(aot, "compile_step", lambda fp, mode, serializable=False, greedy=False:
                         Failing() if serializable else real(fp, mode, greedy=greedy))
     return tries
+
+
+@pytest.fixture
+def runner_cache(tmp_path) -> Path:
+    """A compile cache of this test alone (``tmp_path / "cache"``, empty of packages and bundles) that already
+    holds the native runner library, built once per session in the session's cache and linked here. Building it
+    is the same C++ compilation each time (~25-70 s on 2 cores); the tests that compile their own packages and
+    bundles into a cache of their own would otherwise each pay it (13 slow tests, ~14 minutes of CI)."""
+    from minigpt.infer.fastpath.library import build_runner
+
+    runner = build_runner(SESSION_COMPILE_CACHE)  # at once when it is there
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    try:
+        os.link(runner, cache / runner.name)
+    except OSError:  # another filesystem
+        import shutil
+
+        shutil.copy2(runner, cache / runner.name)
+    return cache
 
 
 def random_model(shape: dict, seed: int = 0, *, noise: float = 0.0, norm_noise: float | None = None, **overrides):

@@ -211,18 +211,16 @@ def _write_native_bundle(model, ckpt: Path, args: argparse.Namespace, bos: bool,
     (:mod:`minigpt.cli.quick`); a failure to write it costs one warning, not this call's output."""
     import warnings
 
-    from minigpt.infer.launcher import bundle_dir, launch_key
     from minigpt.infer.native import write_bundle
+
+    def announce():
+        print("writing the native runner's bundle, which later identical calls run without importing torch (once; "
+              "compiling its prefill step takes minutes on a small CPU)", file=sys.stderr, flush=True)
 
     if getattr(model, "packages", None) is None:
         return
-    key = launch_key(ckpt, args.dtype, args.quantize, args.threads)
-    bundle = bundle_dir(key) if key is not None else None
-    if bundle is not None and not (bundle / "manifest.json").is_file():
-        print("writing the native runner's bundle, which later identical calls run without importing torch (once; "
-              "compiling its prefill step takes minutes on a small CPU)", file=sys.stderr, flush=True)
     try:
-        write_bundle(model, ckpt, args.dtype, args.quantize, args.threads, bos, stop_ids)
+        write_bundle(model, ckpt, args.dtype, args.quantize, args.threads, bos, stop_ids, announce)
     except (OSError, RuntimeError) as e:
         warnings.warn(f"could not write the native runner's bundle ({type(e).__name__}: {str(e)[:300]})",
                       RuntimeWarning, stacklevel=2)

@@ -1,7 +1,8 @@
 // MiniGPT's float matrix-vector product for decode steps: the CPU kernel of the op minigpt::float_mv(x, weight),
 // float32 activations times a float32 or bfloat16 matrix. Built into the native runner library (native_runner.cpp,
 // whose build compiles this file beside it), registered in a Python process by mg_float_install, in the runner's
-// own process when it opens a bundle.
+// own process when it opens a bundle. The same file holds minigpt::float_mm, the product for a prompt's rows
+// (below float_mv).
 //
 // What it computes:
 //   x       [rows, in] float32 (a decode step's few rows: one per sequence and new token);
@@ -212,6 +213,38 @@ at::Tensor float_mv(const at::Tensor& x, const at::Tensor& weight) {
   return y;
 }
 
+// minigpt::float_mm: the same product for a prompt's rows, any number (a prefill package's, whose rows are known
+// only when it runs). Up to kDotRowsMax rows it is float_mv's: each weight row read once, converted in registers,
+// for its dot products with every activation row. More rows make the product compute-bound, and a GEMM's
+// register blocking wins: slices of at most kSliceBytes of weight rows converted to float32 (ATen's vectorised
+// copy) and multiplied by ATen's float32 GEMM, as the package did before (minigpt/infer/fastpath/kernels.py,
+// Proj._gemm, traced). SmolLM-135M's matrices in bf16 on a 2-core AVX2-only Zen 3 EPYC, eager, medians of 5
+// (session 75): the dot products against the conversion and GEMM 51 / 103 ms at 12 rows, 70 / 131 at 17, 120 /
+// 195 at 32, 261 / 256 at 64. Widening tiles in each thread's cache and multiplying them one thread each instead
+// was no faster below 64 rows and slower from 245 (685 against 542 ms).
+constexpr int64_t kDotRowsMax = 32;
+constexpr int64_t kSliceBytes = 8 << 20;
+
+at::Tensor float_mm(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "minigpt::float_mm: x must be float32 [rows, in]");
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16) &&
+                  weight.size(1) == x.size(1),
+              "minigpt::float_mm: weight must be float32 or bfloat16 [out, ", x.size(1), "]");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "minigpt::float_mm: CPU tensors only");
+  const int64_t rows = x.size(0), in = x.size(1), out = weight.size(0);
+  if (rows <= kDotRowsMax || in == 0 || out == 0) return float_mv(x, weight);
+  at::Tensor xc = x.contiguous();
+  if (weight.scalar_type() == at::kFloat) return at::mm(xc, weight.t());
+  const int64_t step = std::max<int64_t>(16, kSliceBytes / (in * 4) / 16 * 16);
+  if (step >= out) return at::mm(xc, weight.to(at::kFloat).t());
+  at::Tensor y = at::empty({rows, out}, xc.options());
+  for (int64_t n0 = 0; n0 < out; n0 += step) {
+    const int64_t n = std::min(step, out - n0);
+    y.narrow(1, n0, n).copy_(at::mm(xc, weight.narrow(0, n0, n).to(at::kFloat).t()));
+  }
+  return y;
+}
+
 std::string float_mv_isa() { return minigpt_ops::kFloatIsaNames[chosen_isa()]; }
 
 minigpt_ops::Registration registration;
@@ -219,9 +252,13 @@ minigpt_ops::Registration registration;
 void register_float_op() {
   minigpt_ops::register_once(registration, "minigpt::float_mv", [](torch::Library& def, bool define,
                                                                    torch::Library& impl) {
-    if (define) def.def("float_mv(Tensor x, Tensor weight) -> Tensor");
+    if (define) {
+      def.def("float_mv(Tensor x, Tensor weight) -> Tensor");
+      def.def("float_mm(Tensor x, Tensor weight) -> Tensor");
+    }
     def.def("float_mv_isa() -> str", TORCH_FN(float_mv_isa));
     impl.impl("float_mv", TORCH_FN(float_mv));
+    impl.impl("float_mm", TORCH_FN(float_mm));
   });
 }
 

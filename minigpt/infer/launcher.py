@@ -278,12 +278,11 @@ def read_manifest(key: str) -> Optional[dict]:
         manifest = json.loads(path.read_text())
         if manifest.get("format") != FORMAT:
             return None
-        for name in ("runner", "package", "prefill"):
-            if manifest[name] is None and name == "prefill":  # a bundle without one: the prompt a token at a time
-                continue
-            p = Path(manifest[name])
-            if not p.is_file() or not trusted(p):
-                return None
+        named = [manifest["runner"], manifest["package"]]
+        if manifest["prefill"] is not None:  # None: a bundle without one, whose prompts go a token at a time
+            named.append(manifest["prefill"])
+        if not all(Path(p).is_file() and trusted(Path(p)) for p in named):
+            return None
         manifest["bundle"] = str(path.parent)
         mark_used(path)  # the least recently used bundles are the first removed (native.prune_bundles)
         return manifest

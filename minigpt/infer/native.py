@@ -22,7 +22,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -46,13 +46,14 @@ _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: 
 
 
 def write_bundle(fp, source: Path, dtype: str, quantize: Optional[str], threads: Optional[int], bos: bool,
-                 stop_ids: Sequence[int]) -> Optional[Path]:
+                 stop_ids: Sequence[int], announce: Optional[Callable[[], None]] = None) -> Optional[Path]:
     """Write the native bundle of FastPath ``fp`` (loaded from the model directory ``source`` with these ``dtype``,
     ``quantize`` and ``threads`` options, whose compiled one-token step is an AOTInductor package) unless it
     exists; returns its directory, or None when the launcher cannot run this model (no package loaded, a tensor
     not contiguous, no cache directory, not a model directory).
 
-    ``bos``: whether a plain prompt starts with BOS for this model; ``stop_ids``: the ids that end a generation.
+    ``bos``: whether a plain prompt starts with BOS for this model; ``stop_ids``: the ids that end a generation;
+    ``announce``: called once before a new bundle's slow part (the runner's build, the prefill package's compile).
     Raises ``OSError`` / ``RuntimeError`` when writing or building fails or ``$MINIGPT_NATIVE_CACHE_GB`` is not a
     size (the caller warns and goes on). A new bundle is followed by :func:`prune_bundles`."""
     limit = bundle_limit()
@@ -71,6 +72,13 @@ def write_bundle(fp, source: Path, dtype: str, quantize: Optional[str], threads:
     named = step_tensors(fp)
     if not all(t.is_contiguous() and t.device.type == "cpu" and t.dtype in _DTYPES for t in named.values()):
         return None
+    # The int8 matrices the runner packs for FBGEMM, each by its weight and scale: checked before the runner's
+    # build and the prefill package's compile (minutes), which a bundle refused here would not use.
+    pairs = [(f"{k}_weight", f"{k}_scale") for k, p in step_projections(fp).items() if p.w8a8 is not None]
+    if any(w not in named or s not in named for w, s in pairs):
+        return None
+    if announce is not None:
+        announce()
     runner = build_runner(directory)
     prefill = prefill_package(fp, directory)  # None: the runner feeds prompts a token at a time
     bundle.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -88,9 +96,6 @@ def write_bundle(fp, source: Path, dtype: str, quantize: Optional[str], threads:
                     offsets[at] = end
                     end += data.nbytes
                 lines.append(" ".join(map(str, [name, _DTYPES[t.dtype], offsets[at], t.dim(), *t.shape, *t.stride()])))
-        pairs = [(f"{k}_weight", f"{k}_scale") for k, p in step_projections(fp).items() if p.w8a8 is not None]
-        if any(w not in named or s not in named for w, s in pairs):
-            return None
         (work / "w8a8.txt").write_text("".join(f"{w} {s}\n" for w, s in pairs))
         c = fp.config
         (work / "tensors.txt").write_text(f"minigpt-native 1 {c.n_layers} {c.n_kv_heads} {c.head_dim}\n"

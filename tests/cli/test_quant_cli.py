@@ -43,11 +43,11 @@ def test_quantize_int4_reports_tied_weights_once_and_generates_with_stats(tied_d
 
 @pytest.mark.slow  # four CLI processes each, one compiling a package: ~40-60 s (make test-slow, CI's second stage)
 @pytest.mark.parametrize("quantize", [[], ["--quantize", "int4"]], ids=["float32", "int4"])
-def test_generate_compile_saves_its_step_and_the_next_run_loads_it_and_prints_the_eager_text(tied_dir, tmp_path,
+def test_generate_compile_saves_its_step_and_the_next_run_loads_it_and_prints_the_eager_text(tied_dir, runner_cache,
                                                                                                quantize):
     src, _ = tied_dir
     args = ("generate", src, "--prompt", "the cat", "--max-new-tokens", 24, "--temperature", 0, "--stats", *quantize)
-    env = {"MINIGPT_COMPILE_CACHE": str(tmp_path / "compiled")}
+    env = {"MINIGPT_COMPILE_CACHE": str(runner_cache)}
     eager, first = run_cli(*args, env=env), run_cli(*args, "--compile", env=env)
     second, third = run_cli(*args, "--compile", "--no-native", env=env), run_cli(*args, "--compile", env=env)
     for proc in (eager, first, second, third):
@@ -61,8 +61,8 @@ def test_generate_compile_saves_its_step_and_the_next_run_loads_it_and_prints_th
     assert "compiled steps: 1 aoti-loaded" in stats[1]
     assert "compiled steps: 1 native" in stats[2]
     assert "writing the native runner's bundle" in first.stderr.splitlines()[-1]
-    assert len(list((tmp_path / "compiled").glob("*.pt2"))) == 2  # the step and the native runner's prefill
-    assert not list((tmp_path / "compiled").glob("*.step"))
+    assert len(list(runner_cache.glob("*.pt2"))) == 2  # the step and the native runner's prefill
+    assert not list(runner_cache.glob("*.step"))
 
 
 def test_quantize_bad_group_sizes_are_one_line_errors(tied_dir, tmp_path):

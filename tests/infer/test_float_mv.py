@@ -41,6 +41,19 @@ for dtype in (torch.float32, torch.bfloat16):
             err = (got.double() - exact).abs()
             print(dtype, out, n_in, rows, got.dtype == torch.float32 and bool((err <= bound).all()),
                   bool((err > 0).any() or n_in < 16))
+        for rows in (1, 32, 33, 70):  # float_mm: its dot products up to 32 rows, the GEMM on converted slices above
+            x = torch.randn(rows, n_in, generator=gen) * 10
+            x[:, -1] *= 100
+            got = torch.ops.minigpt.float_mm(x, w)
+            exact = x.double() @ w.double().T
+            bound = n_in * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T) * 1.001 + 1e-30
+            err = (got.double() - exact).abs()
+            print("mm", dtype, out, n_in, rows, got.dtype == torch.float32 and bool((err <= bound).all()),
+                  bool((err > 0).any() or n_in < 16))
+w, x = torch.randn(1400, 1536, generator=gen).to(torch.bfloat16), torch.randn(33, 1536, generator=gen)
+got, exact = torch.ops.minigpt.float_mm(x, w), x.double() @ w.double().T  # two slices of converted rows (8 MiB)
+err, bound = (got.double() - exact).abs(), 1536 * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T) * 1.001
+print("mm sliced", bool((err <= bound).all()), bool((err > 0).any()))
 """
 
 
@@ -51,7 +64,8 @@ def test_every_path_is_within_float32_rounding_of_the_exact_product(isa):
     the second)."""
     best, (got_isa, *lines) = float_kernel_paths(PRODUCT, "MINIGPT_FLOAT_MV_ISA", isa)
     assert got_isa == (best if isa == "native" else isa)
-    assert len(lines) == 60 and all(line.endswith("True True") for line in lines), lines
+    assert len(lines) == 109 and sum(line.startswith("mm ") for line in lines) == 49, lines
+    assert all(line.endswith("True True") for line in lines), lines
 
 
 def test_bad_arguments_are_refused_with_the_expected_shapes():
@@ -65,6 +79,12 @@ def test_bad_arguments_are_refused_with_the_expected_shapes():
         torch.ops.minigpt.float_mv(torch.zeros(1, 16, dtype=torch.float64), torch.zeros(8, 16))
     assert torch.ops.minigpt.float_mv(torch.zeros(0, 16), torch.zeros(8, 16)).shape == (0, 8)
     assert torch.equal(torch.ops.minigpt.float_mv(torch.ones(2, 0), torch.zeros(3, 0)), torch.zeros(2, 3))
+    for rows in (2, 40):  # float_mm: through float_mv's checks, and its own above 32 rows
+        with pytest.raises(RuntimeError, match=r"weight must be float32 or bfloat16 \[out, 20\]"):
+            torch.ops.minigpt.float_mm(torch.zeros(rows, 20), torch.zeros(8, 16))
+        with pytest.raises(RuntimeError, match="x must be float32"):
+            torch.ops.minigpt.float_mm(torch.zeros(rows, 16, dtype=torch.float64), torch.zeros(8, 16))
+    assert torch.equal(torch.ops.minigpt.float_mm(torch.ones(40, 0), torch.zeros(3, 0)), torch.zeros(40, 3))
 
 
 SHAPE = dict(vocab_size=61, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, multiple_of=16)
@@ -101,6 +121,47 @@ def test_a_bf16_package_step_goes_through_the_kernel_and_computes_the_loops_step
     with torch.inference_mode():
         module_out = exported.module()(*(args[:3] + ([t.clone() for t in args[3]], [t.clone() for t in args[4]])))
     torch.testing.assert_close(module_out[0], got[0], atol=1e-6, rtol=1e-6)
+
+
+def test_a_bf16_prefill_package_multiplies_a_prompts_rows_through_float_mm(monkeypatch):
+    """Where the CPU has no native bf16, a bf16 prefill package (whose prompt rows are known only when it runs)
+    sends each layer's four products through ``minigpt::float_mm`` and writes the cache columns of the same
+    prefill through the fast path's GEMM (Proj._gemm), to float32 rounding; with native bf16 it keeps the bf16
+    GEMM."""
+    from minigpt.infer.fastpath import kernels
+
+    if float_mv_kernel() in (None, "scalar"):
+        pytest.skip("the kernel is not vectorised here")
+    monkeypatch.setattr(kernels, "native_bf16", lambda device_type="cpu": False)
+    monkeypatch.setenv(FLOAT_MV_ENV, "1")
+    through = FastPath(make().to(torch.bfloat16), compile=True, aoti=True)
+    monkeypatch.setenv(FLOAT_MV_ENV, "0")
+    plain = FastPath(make().to(torch.bfloat16), compile=True, aoti=True)
+    assert through.geometry.float_mv and not plain.geometry.float_mv
+    rows, zero = 2 * aoti.PREFILL_ROWS_MIN, torch.zeros(1, dtype=torch.long)
+    tokens = torch.randint(1, SHAPE["vocab_size"], (1, rows), generator=torch.Generator().manual_seed(3))
+
+    def columns(fp, module=None):
+        cache = fp.new_kv_cache(1, 64)
+        with torch.inference_mode():
+            (module or aoti.StepModule(fp, prefill=True))(tokens, torch.tensor([5]), zero, cache.k, cache.v)
+        return [t[:, :, 5:5 + rows] for t in cache.k + cache.v]
+
+    want, got = columns(plain), columns(through)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert not a.eq(0).all()
+    cache = through.new_kv_cache(1, 64)
+    with torch.inference_mode():
+        exported = aoti.export_step(through, (tokens, zero, zero.clone(), cache.k, cache.v), prefill=True)
+    calls = [n for n in exported.graph.nodes if n.target is torch.ops.minigpt.float_mm.default]
+    assert len(calls) == 4 * SHAPE["n_layers"]  # every layer's four projections (no head: columns only)
+    for a, b in zip(columns(through, exported.module()), got):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    monkeypatch.setattr(kernels, "native_bf16", lambda device_type="cpu": True)
+    with torch.inference_mode():
+        exported = aoti.export_step(through, (tokens, zero, zero.clone(), cache.k, cache.v), prefill=True)
+    assert not [n for n in exported.graph.nodes if n.target is torch.ops.minigpt.float_mm.default]
 
 
 AVX512 = frozenset({"avx2", "fma", "avx512f", "avx512bw"})

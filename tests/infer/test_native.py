@@ -147,12 +147,12 @@ def _greedy_through_the_step(fp, prompt: list[int], n: int, screened: bool = Fal
 @pytest.mark.slow  # compiles a package and builds the runner, ~40 s
 @pytest.mark.parametrize("quantize, screened", [(None, False), (None, True), ("int4", False), ("int8", False)])
 def test_the_runner_gives_the_compiled_steps_tokens_and_refuses_a_truncated_bundle(tiny_data, tmp_path, monkeypatch,
-                                                                                   quantize, screened):
+                                                                                   runner_cache, quantize, screened):
     """In this process too (a Python one, whose compiled int8/int4 steps made the runner library's C++ function
     the kernel of `minigpt::w8a8_mm`, sharing its table of packed matrices): the runner gives the compiled step's
     tokens, for models whose step multiplies through FBGEMM as well (before, those were refused here), and for
     the greedy step whose package returns tokens (the fp32 head read through its int8 screen)."""
-    monkeypatch.setenv(launcher.ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(launcher.ENV, str(runner_cache))
     model = _model_dir(tiny_data, tmp_path / "m")
     fp = load_for_inference(model, quantize=quantize, compile=True, aoti=True)
     if screened:
@@ -162,7 +162,7 @@ def test_the_runner_gives_the_compiled_steps_tokens_and_refuses_a_truncated_bund
     assert fp.compile_sources == {"aoti-saved": 1}
     if screened:  # the argmax of the logits, here from the eager forward (a second package would be a second step)
         assert want == _greedy_through_the_step(load_for_inference(model, compile=False), prompt, 20)
-    earlier = tmp_path / "cache" / "native" / "earlier"  # another model's bundle: beyond a limit of 0 bytes
+    earlier = runner_cache / "native" / "earlier"  # another model's bundle: beyond a limit of 0 bytes
     earlier.mkdir(parents=True)
     (earlier / "tensors.bin").write_bytes(b"\0" * 64)
     monkeypatch.setenv(LIMIT_ENV, "0")
@@ -198,10 +198,11 @@ def test_the_runner_gives_the_compiled_steps_tokens_and_refuses_a_truncated_bund
 
 
 @pytest.mark.slow  # compiles a package and builds the runner, ~40 s
-def test_the_runners_cache_grows_past_its_first_bucket_and_keeps_the_steps_tokens(tiny_data, tmp_path, monkeypatch):
+def test_the_runners_cache_grows_past_its_first_bucket_and_keeps_the_steps_tokens(tiny_data, tmp_path, monkeypatch,
+                                                                                  runner_cache):
     """The runner starts its cache at 64 columns and grows it (64 -> 128 -> 192 here) as the positions fill it,
     carrying the held columns over: the tokens of the compiled step over one cache of the whole length."""
-    monkeypatch.setenv(launcher.ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(launcher.ENV, str(runner_cache))
     model = _model_dir(tiny_data, tmp_path / "m", max_seq_len=256)
     fp = load_for_inference(model, quantize="int4", compile=True, aoti=True)
     prompt = [5, 17, 3, 22, 9]
@@ -215,11 +216,12 @@ def test_the_runners_cache_grows_past_its_first_bucket_and_keeps_the_steps_token
 
 @pytest.mark.slow  # four CLI processes, one compiling a package, ~60 s
 @pytest.mark.parametrize("quantize", [[], ["--quantize", "int4"]])
-def test_the_second_compiled_call_runs_natively_without_torch_and_prints_the_same_text(tiny_data, tmp_path, quantize):
+def test_the_second_compiled_call_runs_natively_without_torch_and_prints_the_same_text(tiny_data, tmp_path, runner_cache,
+                                                                                        quantize):
     """int4: its int8 LM head goes through FBGEMM where the CPU has VNNI, packed by the runner. A prompt longer than
     ``PROMPT_TOKENS_MAX`` runs natively too (through the bundle's prefill package), with the ordinary text."""
     model = _model_dir(tiny_data, tmp_path / "m", max_seq_len=256)
-    env = {"MINIGPT_COMPILE_CACHE": str(tmp_path / "cache")}
+    env = {"MINIGPT_COMPILE_CACHE": str(runner_cache)}
     args = ["generate", model, "--prompt", "ROMEO:", "--temperature", "0", "--max-new-tokens", "24", "--compile",
             "--threads", "1", "--stats", *quantize]
     first = run_cli(*args, env=env)
@@ -240,7 +242,7 @@ def test_the_second_compiled_call_runs_natively_without_torch_and_prints_the_sam
     assert native.returncode == 0 and plain.returncode == 0, native.stderr + plain.stderr
     assert "1 native" in native.stderr and native.stdout == plain.stdout
     # A damaged bundle: one warning, and the ordinary command's output.
-    bundle = next((tmp_path / "cache" / "native").iterdir())
+    bundle = next((runner_cache / "native").iterdir())
     (bundle / "tensors.bin").write_bytes(b"")
     third = run_cli(*args, env=env)
     assert third.returncode == 0, third.stderr
@@ -273,7 +275,8 @@ def _greedy_after_the_prefill_package(fp, package, prompt: list[int], n: int, ro
 @pytest.mark.slow  # compiles two packages and builds the runner, ~90 s
 @pytest.mark.parametrize("dtype,quantize", [("float32", None), ("float32", "int8"), ("float32", "int4"),
                                             ("bfloat16", None)])
-def test_the_runner_prefills_the_prompt_through_its_package(tiny_data, tmp_path, monkeypatch, dtype, quantize):
+def test_the_runner_prefills_the_prompt_through_its_package(tiny_data, tmp_path, monkeypatch, runner_cache, dtype,
+                                                           quantize):
     """The bundle's prefill package takes all but the prompt's last token, in calls of at most ``prefill_rows[1]``
     tokens padded to ``prefill_rows[0]``: the runner gives what those calls and the step give in Python, the keys
     and values of the one-token step to float rounding, and its greedy tokens, for prompts of 1, 2 (padded), 12
@@ -281,7 +284,7 @@ def test_the_runner_prefills_the_prompt_through_its_package(tiny_data, tmp_path,
     precision the runner serves: each has its own products in the package (GEMMs, int8 and int4 kernels)."""
     from minigpt.infer.fastpath.aoti import PREFILL_ROWS_MIN, PackagedStep
 
-    monkeypatch.setenv(launcher.ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(launcher.ENV, str(runner_cache))
     model = _model_dir(tiny_data, tmp_path / "m")
     fp = load_for_inference(model, dtype=getattr(torch, dtype), quantize=quantize, compile=True, aoti=True)
     prompts = [[7], [5, 17], [5, 17, 3, 22, 9, 30, 2, 11, 8, 19, 4, 26], [(i * 7 + 3) % 31 + 1 for i in range(40)]]

@@ -31,10 +31,19 @@ def _float_mv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 _LIB.impl("float_mv", _float_mv, "CompositeExplicitAutograd")
+# The same product for a prompt's many rows (a prefill package's): the C++ kernel widens tiles of a bf16 matrix
+# that stay in cache and multiplies them with the float32 GEMM, instead of widening the whole matrix first.
+_LIB.define("float_mm(Tensor x, Tensor weight) -> Tensor")
+_LIB.impl("float_mm", _float_mv, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("minigpt::float_mv")
 def _float_mv_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+
+@torch.library.register_fake("minigpt::float_mm")
+def _float_mm_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
 
 

@@ -450,7 +450,9 @@ def decode_linear(p, x: torch.Tensor, group_size: int = 0, w8a8: bool = False, f
     ``p`` was prepared by :func:`w8a8_layout` and goes through :func:`w8a8_linear`, any number of rows (a flag, not
     ``p.w8a8``: the step rebuilds its projections from their tensors, and Dynamo must not touch FBGEMM's object).
     ``float_mv``: float32 and bfloat16 weights go through MiniGPT's C++ kernel, the op ``minigpt::float_mv``, up to
-    :data:`DECODE_ROWS_MAX` rows as the loops (:mod:`~minigpt.infer.fastpath.float_mv`, for AOTInductor packages).
+    :data:`DECODE_ROWS_MAX` rows as the loops (:mod:`~minigpt.infer.fastpath.float_mv`, for AOTInductor packages);
+    more rows of bfloat16 weights, where the CPU has no native bf16, through ``minigpt::float_mm`` (its dot
+    products up to 32 rows, a float32 GEMM on converted slices above: ``minigpt/infer/float_kernel.cpp``).
     """
     if isinstance(p, list):
         return torch.cat([decode_linear(q, x, group_size, w8a8, float_mv) for q in p], dim=-1)
@@ -464,6 +466,11 @@ def decode_linear(p, x: torch.Tensor, group_size: int = 0, w8a8: bool = False, f
         return aten_woq_linear(p, x, group_size)
     int4 = p.scale is not None and p.scale.dim() == 2
     if (rows > DECODE_ROWS_MAX or int4) and p.words is None:
+        if float_mv and p.scale is None and p.weight.dtype == torch.bfloat16 and not native_bf16("cpu"):
+            # A prompt's rows, known only when a prefill package runs: the C++ op picks dot products or a GEMM
+            y = torch.ops.minigpt.float_mm(x.reshape(rows, -1).float(), p.weight)
+            y = y if p.bias is None else y + p.bias.float()
+            return y.to(x.dtype).view(batch, seq, -1)
         return p(x)
     x32 = x.reshape(rows, -1).float()
     # An identity as_strided makes Inductor materialise x first (its lowering realizes the input); otherwise it
