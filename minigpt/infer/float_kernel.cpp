@@ -36,6 +36,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -175,6 +176,66 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const float* x, const W* w, i
   }
 }
 
+// Two weight rows (w0, w1) times M <= 4 activation rows, for a prompt's many rows (float_mm): y[m * ldy + j],
+// j = 0, 1. Eight accumulators, one chain each (the FMA latency of Zen 3 and Intel's cores is covered by eight),
+// and each weight and activation load feeds two and four FMAs where dot_avx2's feed two and one: with many rows
+// the product is bound by arithmetic and loads, not by the weights' bytes.
+template <int M, typename W>
+__attribute__((target("avx2,fma"))) inline void tile_avx2(const float* x, const W* w0, const W* w1, int64_t in,
+                                                          float* y, int64_t ldy) {
+  const int64_t full = in / 8 * 8;
+  __m256 acc0[M], acc1[M];
+  for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < full; k += 8) {
+    const __m256 a = load8(w0 + k), b = load8(w1 + k);
+    for (int m = 0; m < M; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * in + k);
+      acc0[m] = _mm256_fmadd_ps(xv, a, acc0[m]);
+      acc1[m] = _mm256_fmadd_ps(xv, b, acc1[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    float t0 = sum_lanes(acc0[m]), t1 = sum_lanes(acc1[m]);
+    for (int64_t j = full; j < in; ++j) {
+      t0 = std::fma(x[m * in + j], to_float(w0[j]), t0);
+      t1 = std::fma(x[m * in + j], to_float(w1[j]), t1);
+    }
+    y[m * ldy] = t0;
+    y[m * ldy + 1] = t1;
+  }
+}
+
+// Output rows [n0, n1) for `rows` activation rows through tile_avx2, kChunkRows weight rows at a time (at most 98
+// KB of bf16 at 1536 inputs: they stay in L2 while every block of four activation rows passes over them; without
+// the chunks a thread's whole range was read again for each block, 1.24x the GEMM's time at 245 rows instead of
+// 0.93-1.04x).
+constexpr int64_t kChunkRows = 32;
+
+template <typename W>
+__attribute__((target("avx2,fma"))) void tiles_avx2(const float* x, const W* w, int64_t rows, int64_t in, int64_t n0,
+                                                    int64_t n1, float* y, int64_t ldy) {
+  for (int64_t c0 = n0; c0 < n1; c0 += kChunkRows) {
+    const int64_t c1 = std::min(n1, c0 + kChunkRows);
+    for (int64_t m = 0; m < rows; m += 4) {
+      const float* xm = x + m * in;
+      float* ym = y + m * ldy;
+      const int64_t left = std::min<int64_t>(4, rows - m);
+      int64_t n = c0;
+      for (; n + 2 <= c1; n += 2) {
+        const W *a = w + n * in, *b = a + in;
+        switch (left) {
+          case 4: tile_avx2<4>(xm, a, b, in, ym + n, ldy); break;
+          case 3: tile_avx2<3>(xm, a, b, in, ym + n, ldy); break;
+          case 2: tile_avx2<2>(xm, a, b, in, ym + n, ldy); break;
+          default: tile_avx2<1>(xm, a, b, in, ym + n, ldy);
+        }
+      }
+      if (n < c1)  // an odd last weight row
+        for (int64_t r = 0; r < left; ++r) dot_avx2<1>(xm + r * in, w + n * in, in, ym + r * ldy + n, ldy);
+    }
+  }
+}
+
 template <typename W>
 void rows_scalar(const float* x, const W* w, int64_t rows, int64_t in, int64_t n0, int64_t n1, float* y,
                  int64_t ldy) {
@@ -214,15 +275,15 @@ at::Tensor float_mv(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 // minigpt::float_mm: the same product for a prompt's rows, any number (a prefill package's, whose rows are known
-// only when it runs). Up to kDotRowsMax rows it is float_mv's: each weight row read once, converted in registers,
-// for its dot products with every activation row. More rows make the product compute-bound, and a GEMM's
-// register blocking wins: slices of at most kSliceBytes of weight rows converted to float32 (ATen's vectorised
-// copy) and multiplied by ATen's float32 GEMM, as the package did before (minigpt/infer/fastpath/kernels.py,
-// Proj._gemm, traced). SmolLM-135M's matrices in bf16 on a 2-core AVX2-only Zen 3 EPYC, eager, medians of 5
-// (session 75): the dot products against the conversion and GEMM 51 / 103 ms at 12 rows, 70 / 131 at 17, 120 /
-// 195 at 32, 261 / 256 at 64. Widening tiles in each thread's cache and multiplying them one thread each instead
-// was no faster below 64 rows and slower from 245 (685 against 542 ms).
-constexpr int64_t kDotRowsMax = 32;
+// only when it runs). Up to kDotRowsMax rows: tiles_avx2, each weight converted in registers and used for four
+// activation rows at a time. More rows: slices of at most kSliceBytes of weight rows converted to float32 (ATen's
+// vectorised copy) and ATen's float32 GEMM, as the package did before (minigpt/infer/fastpath/kernels.py,
+// Proj._gemm, traced), whose blocking wins once the rows are many. SmolLM-135M's matrices in bf16 on a 2-core
+// AVX2-only Zen 3 EPYC, eager, medians of 5 in one process, two processes each (session 75): tiles / conversion
+// and GEMM 0.37-0.55x at 24 rows, 0.70-0.79x at 64, 0.79-0.94x at 128, 0.93-1.04x at 245; float_mv's dot products
+// (two activation rows a pass) 1.2-1.9x the tiles. Widening tiles of weights in each thread's cache and giving
+// them to the GEMM one thread each was slower from 245 rows (685 against 542 ms).
+constexpr int64_t kDotRowsMax = 128;
 constexpr int64_t kSliceBytes = 8 << 20;
 
 at::Tensor float_mm(const at::Tensor& x, const at::Tensor& weight) {
@@ -232,15 +293,36 @@ at::Tensor float_mm(const at::Tensor& x, const at::Tensor& weight) {
               "minigpt::float_mm: weight must be float32 or bfloat16 [out, ", x.size(1), "]");
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "minigpt::float_mm: CPU tensors only");
   const int64_t rows = x.size(0), in = x.size(1), out = weight.size(0);
-  if (rows <= kDotRowsMax || in == 0 || out == 0) return float_mv(x, weight);
+  if (rows == 0 || in == 0 || out == 0 || (rows <= kDotRowsMax && chosen_isa() == kScalar))
+    return float_mv(x, weight);
   at::Tensor xc = x.contiguous();
+  if (rows <= kDotRowsMax) {
+    at::Tensor wc = weight.contiguous(), y = at::empty({rows, out}, xc.options());
+    const float* xp = xc.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, (out + 15) / 16, 1, [&](int64_t begin, int64_t end) {  // in units of 16 weight rows
+      const int64_t n0 = begin * 16, n1 = std::min(out, end * 16);
+      if (wc.scalar_type() == at::kFloat)
+        tiles_avx2(xp, wc.data_ptr<float>(), rows, in, n0, n1, yp, out);
+      else
+        tiles_avx2(xp, reinterpret_cast<const uint16_t*>(wc.data_ptr<c10::BFloat16>()), rows, in, n0, n1, yp, out);
+    });
+    return y;
+  }
   if (weight.scalar_type() == at::kFloat) return at::mm(xc, weight.t());
-  const int64_t step = std::max<int64_t>(16, kSliceBytes / (in * 4) / 16 * 16);
-  if (step >= out) return at::mm(xc, weight.to(at::kFloat).t());
+  const int64_t step = std::min(out, std::max<int64_t>(16, kSliceBytes / (in * 4) / 16 * 16));
+  // The converted rows go to this thread's buffer, kept from call to call: a new one each time would be fresh
+  // pages (8 MiB a slice, ~0.8 GB a prefill call at 135M) that the kernel faults in and zeroes.
+  static thread_local std::vector<float> scratch;
+  if (scratch.size() < static_cast<size_t>(step * in)) scratch.resize(step * in);
+  const at::Tensor converted = at::from_blob(scratch.data(), {step, in}, xc.options());
   at::Tensor y = at::empty({rows, out}, xc.options());
   for (int64_t n0 = 0; n0 < out; n0 += step) {
     const int64_t n = std::min(step, out - n0);
-    y.narrow(1, n0, n).copy_(at::mm(xc, weight.narrow(0, n0, n).to(at::kFloat).t()));
+    at::Tensor slice = converted.narrow(0, 0, n);
+    slice.copy_(weight.narrow(0, n0, n));
+    if (n == out) return at::mm(xc, slice.t());
+    y.narrow(1, n0, n).copy_(at::mm(xc, slice.t()));
   }
   return y;
 }

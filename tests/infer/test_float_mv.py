@@ -41,7 +41,7 @@ for dtype in (torch.float32, torch.bfloat16):
             err = (got.double() - exact).abs()
             print(dtype, out, n_in, rows, got.dtype == torch.float32 and bool((err <= bound).all()),
                   bool((err > 0).any() or n_in < 16))
-        for rows in (1, 32, 33, 70):  # float_mm: its dot products up to 32 rows, the GEMM on converted slices above
+        for rows in (1, 9, 70, 129):  # float_mm: its tiles up to 128 rows (blocks of 4 and the rest), the GEMM above
             x = torch.randn(rows, n_in, generator=gen) * 10
             x[:, -1] *= 100
             got = torch.ops.minigpt.float_mm(x, w)
@@ -50,7 +50,7 @@ for dtype in (torch.float32, torch.bfloat16):
             err = (got.double() - exact).abs()
             print("mm", dtype, out, n_in, rows, got.dtype == torch.float32 and bool((err <= bound).all()),
                   bool((err > 0).any() or n_in < 16))
-w, x = torch.randn(1400, 1536, generator=gen).to(torch.bfloat16), torch.randn(33, 1536, generator=gen)
+w, x = torch.randn(1400, 1536, generator=gen).to(torch.bfloat16), torch.randn(200, 1536, generator=gen)
 got, exact = torch.ops.minigpt.float_mm(x, w), x.double() @ w.double().T  # two slices of converted rows (8 MiB)
 err, bound = (got.double() - exact).abs(), 1536 * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T) * 1.001
 print("mm sliced", bool((err <= bound).all()), bool((err > 0).any()))
@@ -79,7 +79,7 @@ def test_bad_arguments_are_refused_with_the_expected_shapes():
         torch.ops.minigpt.float_mv(torch.zeros(1, 16, dtype=torch.float64), torch.zeros(8, 16))
     assert torch.ops.minigpt.float_mv(torch.zeros(0, 16), torch.zeros(8, 16)).shape == (0, 8)
     assert torch.equal(torch.ops.minigpt.float_mv(torch.ones(2, 0), torch.zeros(3, 0)), torch.zeros(2, 3))
-    for rows in (2, 40):  # float_mm: through float_mv's checks, and its own above 32 rows
+    for rows in (2, 200):  # float_mm: its checks before either path
         with pytest.raises(RuntimeError, match=r"weight must be float32 or bfloat16 \[out, 20\]"):
             torch.ops.minigpt.float_mm(torch.zeros(rows, 20), torch.zeros(8, 16))
         with pytest.raises(RuntimeError, match="x must be float32"):
