@@ -177,7 +177,7 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const float* x, const W* w, i
 }
 
 // Two weight rows (w0, w1) times M <= 4 activation rows, for a prompt's many rows (float_mm): y[m * ldy + j],
-// j = 0, 1. Eight accumulators, one chain each (the FMA latency of Zen 3 and Intel's cores is covered by eight),
+// j = 0, 1. 2 M accumulators, one chain each (at M = 4 the eight cover the FMA latency of Zen 3 and Intel's cores),
 // and each weight and activation load feeds two and four FMAs where dot_avx2's feed two and one: with many rows
 // the product is bound by arithmetic and loads, not by the weights' bytes.
 template <int M, typename W>

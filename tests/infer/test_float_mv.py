@@ -1,5 +1,6 @@
 """MiniGPT's float matrix-vector kernel (``minigpt/infer/float_kernel.cpp``, the op ``minigpt::float_mv``), which
-multiplies a decode step's few float32 rows by float32 or bfloat16 weights inside an AOTInductor step package.
+multiplies a decode step's few float32 rows by float32 or bfloat16 weights inside an AOTInductor step package, and
+its many-row sibling ``minigpt::float_mm`` (a prefill package's prompt rows).
 
 The kernel picks its path once per process, so each path is checked in a child process capped by
 ``MINIGPT_FLOAT_MV_ISA``: every product lies within float32 rounding of the float64 product of the same numbers

@@ -31,8 +31,8 @@ def _float_mv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 _LIB.impl("float_mv", _float_mv, "CompositeExplicitAutograd")
-# The same product for a prompt's many rows (a prefill package's): the C++ kernel widens tiles of a bf16 matrix
-# that stay in cache and multiplies them with the float32 GEMM, instead of widening the whole matrix first.
+# The same product for a prompt's rows (a prefill package's, any number): the C++ kernel multiplies up to 128 rows
+# in register tiles, bf16 converted in registers, and more through the float32 GEMM on converted slices.
 _LIB.define("float_mm(Tensor x, Tensor weight) -> Tensor")
 _LIB.impl("float_mm", _float_mv, "CompositeExplicitAutograd")
 

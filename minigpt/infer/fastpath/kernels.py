@@ -467,7 +467,7 @@ def decode_linear(p, x: torch.Tensor, group_size: int = 0, w8a8: bool = False, f
     int4 = p.scale is not None and p.scale.dim() == 2
     if (rows > DECODE_ROWS_MAX or int4) and p.words is None:
         if float_mv and p.scale is None and p.weight.dtype == torch.bfloat16 and not native_bf16("cpu"):
-            # A prompt's rows, known only when a prefill package runs: the C++ op picks dot products or a GEMM
+            # A prompt's rows, known only when a prefill package runs: the C++ op picks register tiles or a GEMM
             y = torch.ops.minigpt.float_mm(x.reshape(rows, -1).float(), p.weight)
             y = y if p.bias is None else y + p.bias.float()
             return y.to(x.dtype).view(batch, seq, -1)
