@@ -9,15 +9,17 @@ from conftest import CLI_ENV, TINY_MODEL, _zygote, random_model, run_cli
 from minigpt.checkpoint.native import save_pretrained
 from minigpt.tokenizer.tokenizer import train_tokenizer
 
+# Each case starts a fresh interpreter (~3.5 s here): the ones that load torch's heavier parts run in the slow stage.
+slow = pytest.mark.slow
 COMMANDS = [
     ["--help"],
-    ["estimate", "--preset", "tiny"],
-    ["generate", "/nonexistent/model", "--prompt", "hi"],
+    pytest.param(["estimate", "--preset", "tiny"], marks=slow),
+    pytest.param(["generate", "/nonexistent/model", "--prompt", "hi"], marks=slow),
     ["bench", "--bogus"],
     ["tokenizer", "train", "--data", "-", "--vocab-size", "10", "--out", "t.json"],
     # The prompt read from stdin, a model in the working directory, greedy decoding.
-    ["generate", "model", "--temperature", "0", "--max-new-tokens", "8"],
-    ["generate", "model", "--temperature", "0", "--max-new-tokens", "8", "--batch"],
+    pytest.param(["generate", "model", "--temperature", "0", "--max-new-tokens", "8"], marks=slow),
+    pytest.param(["generate", "model", "--temperature", "0", "--max-new-tokens", "8", "--batch"], marks=slow),
 ]
 
 

@@ -42,6 +42,7 @@ def _faults(mode: str) -> int:
     return int(out.stdout.split()[-1])
 
 
+@pytest.mark.slow
 @glibc
 def test_a_second_prefill_takes_no_page_faults_once_freed_blocks_are_kept():
     """Kept, the second and third passes reuse the first one's blocks: (almost) no page faults. With glibc's

@@ -90,7 +90,7 @@ def test_a_model_answer_nested_deep_is_text_not_a_crash(text):
 
 @pytest.mark.parametrize("value, match", [
     ("[", r"--set lr is not valid YAML"),            # a typo: a traceback before
-    ("[" * 100_000, r"--set lr is nested too deeply"),
+    pytest.param("[" * 100_000, r"--set lr is nested too deeply", marks=pytest.mark.slow),  # ~5 s to read
     (BIG_INT, r"--set lr is not usable YAML"),
 ])
 def test_a_bad_set_value_is_one_error_naming_the_key(value, match):
@@ -99,6 +99,7 @@ def test_a_bad_set_value_is_one_error_naming_the_key(value, match):
     assert apply_sets({}, ["lr=0.001", "model.dim=64"]) == {"lr": 0.001, "model": {"dim": 64}}
 
 
+@pytest.mark.slow
 def test_a_deep_yaml_config_is_one_error(tmp_path):
     path = tmp_path / "deep.yaml"
     path.write_text("model: " + "[" * 100_000 + "]" * 100_000 + "\n")

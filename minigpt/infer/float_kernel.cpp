@@ -255,12 +255,17 @@ void product(const float* x, const W* w, int64_t rows, int64_t in, int64_t out, 
   });
 }
 
-at::Tensor float_mv(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "minigpt::float_mv: x must be float32 [rows, in]");
+// Both ops' arguments: float32 rows [rows, in] and a float32 or bfloat16 matrix [out, in] on the CPU.
+void check_operands(const char* op, const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, op, ": x must be float32 [rows, in]");
   TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16) &&
                   weight.size(1) == x.size(1),
-              "minigpt::float_mv: weight must be float32 or bfloat16 [out, ", x.size(1), "]");
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "minigpt::float_mv: CPU tensors only");
+              op, ": weight must be float32 or bfloat16 [out, ", x.size(1), "]");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), op, ": CPU tensors only");
+}
+
+at::Tensor float_mv(const at::Tensor& x, const at::Tensor& weight) {
+  check_operands("minigpt::float_mv", x, weight);
   at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   const int64_t rows = xc.size(0), in = xc.size(1), out = wc.size(0);
   at::Tensor y = at::empty({rows, out}, xc.options());
@@ -280,18 +285,14 @@ at::Tensor float_mv(const at::Tensor& x, const at::Tensor& weight) {
 // vectorised copy) and ATen's float32 GEMM, as the package did before (minigpt/infer/fastpath/kernels.py,
 // Proj._gemm, traced), whose blocking wins once the rows are many. SmolLM-135M's matrices in bf16 on a 2-core
 // AVX2-only Zen 3 EPYC, eager, medians of 5 in one process, two processes each (session 75): tiles / conversion
-// and GEMM 0.37-0.55x at 24 rows, 0.70-0.79x at 64, 0.79-0.94x at 128, 0.93-1.04x at 245; float_mv's dot products
-// (two activation rows a pass) 1.2-1.9x the tiles. Widening tiles of weights in each thread's cache and giving
+// and GEMM 0.37-0.55x at 24 rows, 0.70-0.79x at 64, 0.76-0.94x at 128, 0.93-1.04x at 245; float_mv's dot products
+// (two activation rows a pass) 1.1-1.9x the tiles. Widening tiles of weights in each thread's cache and giving
 // them to the GEMM one thread each was slower from 245 rows (685 against 542 ms).
 constexpr int64_t kDotRowsMax = 128;
 constexpr int64_t kSliceBytes = 8 << 20;
 
 at::Tensor float_mm(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "minigpt::float_mm: x must be float32 [rows, in]");
-  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16) &&
-                  weight.size(1) == x.size(1),
-              "minigpt::float_mm: weight must be float32 or bfloat16 [out, ", x.size(1), "]");
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "minigpt::float_mm: CPU tensors only");
+  check_operands("minigpt::float_mm", x, weight);
   const int64_t rows = x.size(0), in = x.size(1), out = weight.size(0);
   if (rows == 0 || in == 0 || out == 0 || (rows <= kDotRowsMax && chosen_isa() == kScalar))
     return float_mv(x, weight);

@@ -180,6 +180,7 @@ def run_cli(*args):
                           text=True, env=ENV, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_preset_config_file_and_flags(tmp_path):
     proc = run_cli("--preset", "llama2-7b", "--context", "2048", "--set", "n_kv_heads=8", "--json")
     assert proc.returncode == 0, proc.stderr

@@ -410,6 +410,7 @@ def test_fuzz_gguf_headers(loader, originals, cases):
              field_sweep(data, fields), body)
 
 
+@pytest.mark.slow
 def test_fuzz_safetensors_headers(loader, originals, cases):
     data = (originals / "native" / "model.safetensors").read_bytes()
     n = struct.unpack_from("<Q", data)[0]
@@ -443,6 +444,7 @@ def test_fuzz_safetensors_headers(loader, originals, cases):
     run_fuzz("safetensors", mutations, sweep, body)
 
 
+@pytest.mark.slow
 def test_fuzz_llama2c_headers(loader, originals, cases):
     files = {v: (originals / f"v{v}.bin").read_bytes() for v in (0, 1)}
 
@@ -456,6 +458,7 @@ def test_fuzz_llama2c_headers(loader, originals, cases):
     run_fuzz("llama2c", mutations, [m for v in (0, 1) for m in field_sweep(files[v], llama2c_fields(v))], body)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["config", "hf_config"])
 def test_fuzz_config_json(loader, originals, cases, kind):
     folder_name = "native" if kind == "config" else "hf"

@@ -25,7 +25,7 @@ print(sorted({m for m in ("torch._dynamo", "sympy") if m in sys.modules} - befor
 """
 
 
-@pytest.mark.parametrize("kind", ["float", "int8 on load", "int4 saved"])
+@pytest.mark.parametrize("kind", ["float", *(pytest.param(k, marks=pytest.mark.slow) for k in ("int8 on load", "int4 saved"))])
 def test_loading_for_inference_imports_neither_dynamo_nor_sympy(tmp_path, kind):
     model = random_model(SHAPE)
     if kind == "int4 saved":

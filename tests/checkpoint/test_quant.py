@@ -106,6 +106,7 @@ def test_export_refuses_a_quantized_model(tmp_path):
         export_hf(path, tmp_path / "hf")
 
 
+@pytest.mark.slow
 def test_int8_perplexity_change_on_real_text_is_small(tiny_data):
     """Train a small model briefly on the Shakespeare slice, then compare validation perplexity of float and int8
     weights (the full-size measurement on the `small` preset is in docs/benchmarks.md)."""

@@ -49,6 +49,7 @@ def test_adapter_for_another_base_is_one_line(tiny_data, tmp_path):
     assert_one_line_error(run_cli("chat", tmp_path / "other", "--adapter", adapter, stdin="hi\n"), "has shape")
 
 
+@pytest.mark.slow
 def test_serve_with_an_adapter_answers_like_the_merged_model(tiny_data, tmp_path):
     import json
     import sys

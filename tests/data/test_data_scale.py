@@ -143,6 +143,7 @@ def test_tokenizer_sample_bytes(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ interruptions
+@pytest.mark.slow
 def test_exception_midway_leaves_nothing_and_rerun_matches(tmp_path, small_tok, monkeypatch):
     corpus = tmp_path / "c.txt"
     write_corpus(corpus, 300_000)

@@ -21,6 +21,7 @@ SHAPE = dict(vocab_size=61, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq
 make = partial(random_model, SHAPE, noise=0.05)
 
 
+@pytest.mark.slow
 def test_int4_word_kernel_equals_dequantized_product(float32_prefill):
     """decode_linear over an int4 Proj reads the packed bytes as float32 words (8 nibbles each) and must equal x
     times the dequantized matrix: eagerly for 1 row (per-row reductions) and compiled, as the decode step compiles

@@ -91,6 +91,7 @@ print(hashlib.sha256(y.numpy().tobytes() + w[0].numpy().tobytes() + w[1].numpy()
 """
 
 
+@pytest.mark.slow
 def test_instruction_sets_agree_bit_for_bit(capsys):
     """AVX512-VNNI, AVX2 and plain C++ compute the same integers and the same float operations in the same order:
     the same bits. This process runs the best path the CPU has; child processes the others ($MINIGPT_Q4_ISA caps

@@ -29,36 +29,35 @@ import torch
 from minigpt.infer.fastpath.float_mv import float_mv_kernel
 print(float_mv_kernel())
 gen = torch.Generator().manual_seed(0)
+
+
+def check(got, x, w):
+    # float32, within float32 rounding of the float64 product (Higham: n 2^-24 |x| . |w| for a sum of n products),
+    # and not the float64 product itself (short sums may round to it)
+    n_in = x.shape[1]
+    exact = x.double() @ w.double().T
+    bound = n_in * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T) * 1.001 + 1e-30
+    err = (got.double() - exact).abs()
+    return got.dtype == torch.float32 and bool((err <= bound).all()), bool((err > 0).any() or n_in < 16)
+
+
 for dtype in (torch.float32, torch.bfloat16):
     for out, n_in in [(1, 1), (3, 7), (17, 16), (33, 96), (130, 583), (64, 1536)]:
         w = torch.randn(out, n_in, generator=gen).to(dtype)
         for rows in range(1, 6):
             x = torch.randn(rows, n_in, generator=gen) * 10
             x[:, -1] *= 100  # an outlier in the last input, which a tail reads
-            got = torch.ops.minigpt.float_mv(x, w)
-            exact = x.double() @ w.double().T
-            # float32 rounding of a sum of n products (Higham: n 2^-24 |x| . |w|)
-            bound = n_in * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T) * 1.001 + 1e-30
-            err = (got.double() - exact).abs()
-            print(dtype, out, n_in, rows, got.dtype == torch.float32 and bool((err <= bound).all()),
-                  bool((err > 0).any() or n_in < 16))
+            print(dtype, out, n_in, rows, *check(torch.ops.minigpt.float_mv(x, w), x, w))
         for rows in (1, 9, 70, 129):  # float_mm: its tiles up to 128 rows (blocks of 4 and the rest), the GEMM above
             x = torch.randn(rows, n_in, generator=gen) * 10
             x[:, -1] *= 100
-            got = torch.ops.minigpt.float_mm(x, w)
-            exact = x.double() @ w.double().T
-            bound = n_in * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T) * 1.001 + 1e-30
-            err = (got.double() - exact).abs()
-            print("mm", dtype, out, n_in, rows, got.dtype == torch.float32 and bool((err <= bound).all()),
-                  bool((err > 0).any() or n_in < 16))
+            print("mm", dtype, out, n_in, rows, *check(torch.ops.minigpt.float_mm(x, w), x, w))
 w, x = torch.randn(1400, 1536, generator=gen).to(torch.bfloat16), torch.randn(200, 1536, generator=gen)
-got, exact = torch.ops.minigpt.float_mm(x, w), x.double() @ w.double().T  # two slices of converted rows (8 MiB)
-err, bound = (got.double() - exact).abs(), 1536 * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T) * 1.001
-print("mm sliced", bool((err <= bound).all()), bool((err > 0).any()))
+print("mm sliced", *check(torch.ops.minigpt.float_mm(x, w), x, w))  # two slices of converted rows (8 MiB)
 """
 
 
-@pytest.mark.parametrize("isa", ["native", "avx2", "scalar"])
+@pytest.mark.parametrize("isa", ["native", *(pytest.param(isa, marks=pytest.mark.slow) for isa in ("avx2", "scalar"))])
 def test_every_path_is_within_float32_rounding_of_the_exact_product(isa):
     """Each path (this CPU's best, AVX2, plain C++) within float32 rounding of the float64 product, and not the
     float64 product itself (a kernel that computed something else exactly would fail the first, one in float64

@@ -67,6 +67,7 @@ def test_no_screen_for_quantized_small_or_biased_heads():
 GREEDY = SamplingParams(max_tokens=32, temperature=0)
 
 
+@pytest.mark.slow
 def test_compiled_greedy_generation_through_the_screen_gives_the_logits_steps_tokens():
     """A tiny fp32 model (vocab larger than SCREEN_K), compiled without a cache: 32 greedy tokens through
     decode_next equal those of the logits step, and the screen was used (its greedy step compiled)."""
@@ -117,6 +118,7 @@ def test_the_greedy_step_has_its_own_saved_file_name():
     assert step_key(fp, 1, 1, 16, args) == step_key(fp, 1, 1, 16, args, greedy=False)
 
 
+@pytest.mark.slow
 def test_a_failed_ahead_of_time_compile_is_not_retried_for_the_other_step(tmp_path, failing_aot_compile):
     """When the AOT API fails for the greedy step, the logits step goes straight to torch.compile too: one try,
     one warning, both steps' tokens as without the screen."""

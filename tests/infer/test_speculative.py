@@ -170,6 +170,7 @@ def test_accept_reject_samples_the_target_distribution():
     assert stat < chi_square_critical(df), (stat, counts / 2500)
 
 
+@pytest.mark.slow
 def test_speculative_sampling_matches_the_target_end_to_end():
     """Through the real models: the first sampled token of `speculative_tokens` (temperature 0.9, top-k 8) follows
     the target's filtered next-token distribution."""

@@ -320,6 +320,7 @@ def test_dpo_cli_raises_the_reward_margin_on_the_training_pairs(tmp_path, base):
     assert json.loads((out / "dpo_config.json").read_text())["beta"] == 0.1
 
 
+@pytest.mark.slow
 def test_lora_dpo_cli_with_precomputed_reference_and_ipo(tmp_path, base):
     model_dir, train, val = base
     out = tmp_path / "out"

@@ -86,6 +86,7 @@ def kept_or_skipped(tmp_path_factory, rows, read, load, templates):
         assert kept + sum(counted.skipped.values()) == len(records)
 
 
+@pytest.mark.slow
 @SETTINGS
 @hypothesis.given(row=CHAT_ROW)
 @hypothesis.example(row={"conversations": [{"from": []}]})  # a TypeError that ended the read, before
@@ -96,6 +97,7 @@ def test_any_chat_row_is_kept_or_skipped_with_a_reason(tmp_path_factory, templat
                         path, template, 4096, report=report, bos_id=0, records=records), templates)
 
 
+@pytest.mark.slow
 @SETTINGS
 @hypothesis.given(row=PREFERENCE_ROW)
 @hypothesis.example(row={"prompt": "\ud800", "chosen": "0", "rejected": "1"})  # ended the whole DPO load, before

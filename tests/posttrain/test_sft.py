@@ -166,6 +166,7 @@ def test_sft_resume_reproduces_the_uninterrupted_run(tmp_path, base, lora):
     assert (crashed / "adapter").is_dir() == lora
 
 
+@pytest.mark.slow
 def test_sft_cli_config_yaml_flags_and_run_files(tmp_path, base):
     """--config sets any option by name; a flag given as well wins. The run directory has the trainer's files
     (config.yaml, metrics.jsonl, loss_curve.png, checkpoints, latest) next to the model."""

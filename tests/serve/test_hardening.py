@@ -240,6 +240,7 @@ def ckpt(tiny_data, tmp_path_factory):
     return train_tiny_model(tiny_data, tmp_path_factory.mktemp("served") / "tiny")
 
 
+@pytest.mark.slow
 def test_serve_flags_cap_context_and_body_and_sigterm_ends_streams_with_an_error(ckpt, tmp_path):
     """`--context` sizes the KV cache (reported at start-up), `--max-body-bytes` caps bodies, and SIGTERM past
     `--shutdown-timeout` ends each stream still running with an error event and [DONE], then exits 0."""

@@ -2,6 +2,7 @@
 the server's ApiError with a 4xx status -- never another exception, which the app would turn into a 500."""
 import json
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -46,6 +47,7 @@ def test_parse_json_on_any_json_value(value):
     _only_api_errors(parse_json, json.dumps(value).encode())
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(bodies, st.booleans())
 def test_body_parsers_on_any_body(body, chat):

@@ -326,6 +326,7 @@ def test_terminal_chat_streams_and_resets(ckpt, client):
     assert answers[0] == r.choices[0].message.content.split("\n")[0]
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_running_requests_then_exits(ckpt, tmp_path):
     srv = ServerProcess(ckpt, log=tmp_path / "log")
     body = json.dumps({"prompt": "HAMLET:\n", "max_tokens": 300, "temperature": 0, "stream": True}).encode()

@@ -42,6 +42,7 @@ def test_model_fields_are_checked_the_same_way():
     assert ModelConfig.from_dict({**preset("tiny").to_dict(), "norm_eps": "1e-6"}).norm_eps == 1e-6
 
 
+@pytest.mark.slow
 def test_the_cli_says_it_in_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "minigpt", "train", "--preset", "tiny", "--set", "lr=abc",
                         "--out-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)

@@ -57,6 +57,7 @@ def test_weight_decay_only_on_matrices():
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
 
 
+@pytest.mark.slow
 def test_loss_falls_on_real_text(tiny_data, tmp_path):
     result = train(train_config(tiny_data, tmp_path / "run", max_steps=200, batch_size=16, lr=5e-3, eval_interval=100))
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -133,6 +134,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, capsys):
     assert "corrupt" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_data, tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -235,6 +237,7 @@ def test_sigkill_then_resume_is_bit_exact(tiny_data, tmp_path):
     assert not list((killed / "checkpoints").glob(".step_*"))  # no half-written leftovers
 
 
+@pytest.mark.slow
 def test_unwritable_run_directory_is_a_clear_error_before_training(tiny_data, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -37,14 +37,12 @@ _LIB.define("float_mm(Tensor x, Tensor weight) -> Tensor")
 _LIB.impl("float_mm", _float_mv, "CompositeExplicitAutograd")
 
 
-@torch.library.register_fake("minigpt::float_mv")
-def _float_mv_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _product_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
 
 
-@torch.library.register_fake("minigpt::float_mm")
-def _float_mm_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+for _op in ("minigpt::float_mv", "minigpt::float_mm"):
+    torch.library.register_fake(_op)(_product_fake)
 
 
 def float_mv_kernel() -> Optional[str]:
