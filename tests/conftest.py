@@ -103,6 +103,12 @@ def runner_cache(tmp_path) -> Path:
     return cache
 
 
+def some_slow(values, slow) -> list:
+    """``values`` for ``pytest.mark.parametrize`` with those in ``slow`` marked ``slow``: the cases that keep
+    ``make test`` within its 10 minutes run in CI's second stage (``make test-slow``)."""
+    return [pytest.param(v, marks=pytest.mark.slow) if v in slow else v for v in values]
+
+
 def random_model(shape: dict, seed: int = 0, *, noise: float = 0.0, norm_noise: float | None = None, **overrides):
     """The one tiny random model of the test suite: ``Transformer(ModelConfig(**{**shape, **overrides}))`` built
     after ``torch.manual_seed(seed)``, in eval mode.

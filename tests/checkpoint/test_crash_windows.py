@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_MODEL, random_model, train_config
+from conftest import TINY_MODEL, random_model, some_slow, train_config
 
 from minigpt.checkpoint.atomic import verify_manifest
 from minigpt.checkpoint.native import load_model, resolve_checkpoint
@@ -83,7 +83,7 @@ def recover(run: Path, parts) -> int:
 SCENARIOS = {"keep 2": ([1, 2], 2, 3), "keep 1": ([2], 1, 3), "same step": ([3], 1, 3)}
 
 
-@pytest.mark.parametrize("scenario", ["keep 1", *(pytest.param(s, marks=pytest.mark.slow) for s in ("keep 2", "same step"))])
+@pytest.mark.parametrize("scenario", some_slow(sorted(SCENARIOS), ("keep 2", "same step")))
 def test_a_crash_at_any_operation_of_a_save_leaves_a_good_checkpoint(tmp_path, parts, monkeypatch, scenario):
     existing, keep, step = SCENARIOS[scenario]
     base = tmp_path / "base"

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import random_model
+from conftest import random_model, some_slow
 
 from minigpt.checkpoint.native import load_model, save_pretrained
 from minigpt.checkpoint.quantized import save_quantized
@@ -25,7 +25,7 @@ print(sorted({m for m in ("torch._dynamo", "sympy") if m in sys.modules} - befor
 """
 
 
-@pytest.mark.parametrize("kind", ["float", *(pytest.param(k, marks=pytest.mark.slow) for k in ("int8 on load", "int4 saved"))])
+@pytest.mark.parametrize("kind", some_slow(["float", "int8 on load", "int4 saved"], ("int8 on load", "int4 saved")))
 def test_loading_for_inference_imports_neither_dynamo_nor_sympy(tmp_path, kind):
     model = random_model(SHAPE)
     if kind == "int4 saved":

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import CLI_ENV, TINY_MODEL, assert_one_line_error, random_model, run_cli, train_config
+from conftest import CLI_ENV, TINY_MODEL, assert_one_line_error, random_model, run_cli, some_slow, train_config
 
 from minigpt.checkpoint.atomic import MANIFEST, sha256_file
 from minigpt.checkpoint.convert import export_hf
@@ -151,7 +151,7 @@ def _llama2c_v1(model, path, seq_len):
     return path
 
 
-@pytest.mark.parametrize("source", ["hf", *(pytest.param(s, marks=pytest.mark.slow) for s in ("llama2c", "gguf"))])
+@pytest.mark.parametrize("source", some_slow(["llama2c", "hf", "gguf"], ("llama2c", "gguf")))
 def test_a_context_of_2g_positions_loads_small_and_runs(tmp_path, source):
     """A llama2.c header, an HF ``max_position_embeddings`` or a GGUF ``context_length`` of 2^31 - 1 used to size
     68.7 GB of RoPE tables; the tables now cover the positions in use and grow on demand."""

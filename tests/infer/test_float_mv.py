@@ -13,7 +13,7 @@ from functools import partial
 
 import pytest
 import torch
-from conftest import float_kernel_paths, random_model
+from conftest import float_kernel_paths, random_model, some_slow
 
 from minigpt.infer.fastpath import FastPath, aoti, float_mv
 from minigpt.infer.fastpath.float_mv import FLOAT_MV_ENV, float_mv_kernel
@@ -57,7 +57,7 @@ print("mm sliced", *check(torch.ops.minigpt.float_mm(x, w), x, w))  # two slices
 """
 
 
-@pytest.mark.parametrize("isa", ["native", *(pytest.param(isa, marks=pytest.mark.slow) for isa in ("avx2", "scalar"))])
+@pytest.mark.parametrize("isa", some_slow(["native", "avx2", "scalar"], ("avx2", "scalar")))
 def test_every_path_is_within_float32_rounding_of_the_exact_product(isa):
     """Each path (this CPU's best, AVX2, plain C++) within float32 rounding of the float64 product, and not the
     float64 product itself (a kernel that computed something else exactly would fail the first, one in float64

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import float_kernel_paths
+from conftest import float_kernel_paths, some_slow
 
 from minigpt.infer.fastpath.kernels import int8_words
 from minigpt.infer.fastpath.screen import HeadScreen, screened_argmax, woq8_kernel
@@ -41,7 +41,7 @@ for out, n_in in [(1, 4), (3, 20), (33, 96), (130, 580), (64, 1536)]:
 """
 
 
-@pytest.mark.parametrize("isa", ["native", *(pytest.param(isa, marks=pytest.mark.slow) for isa in ("avx2", "scalar"))])
+@pytest.mark.parametrize("isa", some_slow(["native", "avx2", "scalar"], ("avx2", "scalar")))
 def test_every_path_is_within_the_screens_rounding_bound(isa):
     """Each path (this CPU's best, AVX2, plain C++) within float32 rounding of the float64 product, and not the
     float64 product itself (a kernel that computed something else exactly would fail the first, one in float64

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import assert_one_line_error, run_cli
+from conftest import assert_one_line_error, run_cli, some_slow
 
 from minigpt.checkpoint.convert import export_gguf, export_hf
 from minigpt.checkpoint.native import import_model, load_model
@@ -141,8 +141,7 @@ def test_left_padded_rows_match_each_row_alone(hf_models, name):
 
 # ------------------------------------------------------------------------------------------------ generation
 # Each architecture the fast path computes compiles it (~7-10 s): one in make test, the others in the slow stage.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("llama-mlp-bias", "qwen2") else n
-                                  for n in ARCHS])
+@pytest.mark.parametrize("name", some_slow(ARCHS, ("llama-mlp-bias", "qwen2")))
 def test_greedy_matches_transformers_generate(hf_models, name):
     ref, directory = hf_models[name]
     expected = hf_greedy(ref, PROMPT, STEPS)
