@@ -176,7 +176,7 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const float* x, const W* w, i
   }
 }
 
-// Two weight rows (w0, w1) times M <= 4 activation rows, for a prompt's many rows (float_mm): y[m * ldy + j],
+// Two weight rows (w0, w1) times M <= 4 activation rows, for a short prompt's rows (float_mm): y[m * ldy + j],
 // j = 0, 1. 2 M accumulators, one chain each (at M = 4 the eight cover the FMA latency of Zen 3 and Intel's cores),
 // and each weight and activation load feeds two and four FMAs where dot_avx2's feed two and one: with many rows
 // the product is bound by arithmetic and loads, not by the weights' bytes.
@@ -206,9 +206,9 @@ __attribute__((target("avx2,fma"))) inline void tile_avx2(const float* x, const 
 }
 
 // Output rows [n0, n1) for `rows` activation rows through tile_avx2, kChunkRows weight rows at a time (at most 98
-// KB of bf16 at 1536 inputs: they stay in L2 while every block of four activation rows passes over them; without
-// the chunks a thread's whole range was read again for each block, 1.24x the GEMM's time at 245 rows instead of
-// 0.93-1.04x).
+// KB of bf16 at 1536 inputs: they stay in L2 while every block of four activation rows passes over them; in
+// session 75, when the tiles took up to 128 rows, without the chunks a thread's whole range was read again for
+// each block, 1.24x ATen's GEMM's time at 245 rows instead of 0.93-1.04x).
 constexpr int64_t kChunkRows = 32;
 
 template <typename W>
@@ -232,6 +232,143 @@ __attribute__((target("avx2,fma"))) void tiles_avx2(const float* x, const W* w, 
       }
       if (n < c1)  // an odd last weight row
         for (int64_t r = 0; r < left; ++r) dot_avx2<1>(xm + r * in, w + n * in, in, ym + r * ldy + n, ldy);
+    }
+  }
+}
+
+// A prompt's many rows as a packed GEMM (float_mm above kTileRowsMax rows), blocked as BLIS-style GEMMs are: the
+// rows are copied once into tiles of 6 (pack_rows); the weights of 16 output columns and up to kKc inputs are
+// converted to float32 and transposed into a panel (32 KB at most, the size of L1), and each tile of rows passes
+// over it in a 6 x 16 register tile (12 accumulators, each FMA's operands one broadcast and one panel load). A
+// bf16 weight is converted once per block of kMc rows; before, slices converted for ATen's float32 GEMM were
+// written out and read back.
+constexpr int kMr = 6, kNr = 16;
+constexpr int64_t kKc = 512, kMc = 256, kGroup = 4;
+
+// c[m, j] (+)= sum over k < kc of x[k * 6 + m] * panel[k * 16 + j] for m < M, j < 16. The accumulators start at 0
+// and c is added at the end: its lines, asked for at the start, arrive while the FMAs run (y's block is not in
+// cache when a panel's first tile starts). They are named, not an array: GCC kept an array of them on the stack,
+// storing all 12 on every step (half the speed).
+template <int M>
+__attribute__((target("avx2,fma"))) void micro_avx2(const float* x, const float* panel, int64_t kc, float* c,
+                                                    int64_t ldc, bool add) {
+  __m256 c0l, c0h, c1l, c1h, c2l, c2h, c3l, c3h, c4l, c4h, c5l, c5h;
+  c0l = c0h = c1l = c1h = c2l = c2h = c3l = c3h = c4l = c4h = c5l = c5h = _mm256_setzero_ps();
+#define MG_ROWS(DO) DO(0, c0l, c0h) DO(1, c1l, c1h) DO(2, c2l, c2h) DO(3, c3l, c3h) DO(4, c4l, c4h) DO(5, c5l, c5h)
+#define MG_PREFETCH(m, lo, hi)                                                      \
+  if constexpr (M > m) {                                                        \
+    _mm_prefetch(reinterpret_cast<const char*>(c + m * ldc), _MM_HINT_T0);      \
+    _mm_prefetch(reinterpret_cast<const char*>(c + m * ldc + 15), _MM_HINT_T0); \
+  }
+#define MG_FMA(m, lo, hi)                                           \
+  if constexpr (M > m) {                                            \
+    const __m256 a = _mm256_broadcast_ss(x + k * kMr + m);          \
+    lo = _mm256_fmadd_ps(a, b0, lo);                                \
+    hi = _mm256_fmadd_ps(a, b1, hi);                                \
+  }
+#define MG_STORE(m, lo, hi)                                                                \
+  if constexpr (M > m) {                                                                   \
+    _mm256_storeu_ps(c + m * ldc, add ? _mm256_add_ps(_mm256_loadu_ps(c + m * ldc), lo) : lo); \
+    _mm256_storeu_ps(c + m * ldc + 8, add ? _mm256_add_ps(_mm256_loadu_ps(c + m * ldc + 8), hi) : hi); \
+  }
+  MG_ROWS(MG_PREFETCH)
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 b0 = _mm256_load_ps(panel + k * kNr), b1 = _mm256_load_ps(panel + k * kNr + 8);
+    MG_ROWS(MG_FMA)
+  }
+  MG_ROWS(MG_STORE)
+#undef MG_ROWS
+#undef MG_PREFETCH
+#undef MG_FMA
+#undef MG_STORE
+}
+
+// r[i][j] -> r[j][i] for 8 rows of 8 floats.
+__attribute__((target("avx2,fma"))) inline void transpose8(__m256 r[8]) {
+  __m256 t[8], s[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    s[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x31);
+  }
+}
+
+// panel[k * 16 + j] = w[n + j, k0 + k] as float32 for k < kc, j < cols, and 0 for j >= cols.
+template <typename W>
+__attribute__((target("avx2,fma"))) void pack_avx2(const W* w, int64_t in, int64_t n, int64_t cols, int64_t k0,
+                                                   int64_t kc, float* panel) {
+  int64_t k = 0;
+  if (cols == kNr)
+    for (; k + 8 <= kc; k += 8)
+      for (int half = 0; half < 2; ++half) {
+        __m256 r[8];
+        for (int j = 0; j < 8; ++j) r[j] = load8(w + (n + 8 * half + j) * in + k0 + k);
+        transpose8(r);
+        for (int j = 0; j < 8; ++j) _mm256_store_ps(panel + (k + j) * kNr + 8 * half, r[j]);
+      }
+  for (; k < kc; ++k)
+    for (int j = 0; j < kNr; ++j) panel[k * kNr + j] = j < cols ? to_float(w[(n + j) * in + k0 + k]) : 0.0f;
+}
+
+// x [rows, in] as tiles of kMr rows, each [in, kMr] (the last tile's missing rows 0): a step's six broadcasts
+// read one line, not six rows `in` apart. Tiles [t0, t1) of out.
+void pack_rows(const float* x, int64_t rows, int64_t in, int64_t t0, int64_t t1, float* out) {
+  for (int64_t t = t0; t < t1; ++t)
+    for (int r = 0; r < kMr; ++r) {
+      const int64_t m = t * kMr + r;
+      float* dst = out + t * in * kMr + r;
+      for (int64_t k = 0; k < in; ++k) dst[k * kMr] = m < rows ? x[m * in + k] : 0.0f;
+    }
+}
+
+// y[m, n] for every row m and the output columns [n0, n1) (a thread's share, in steps of 16 but for the last), x
+// packed by pack_rows. Loops, outer to inner: blocks of kMc rows; groups of kGroup panels, whose [kMc, 64] block
+// of y stays in L2 while every block of kKc inputs passes (y is read and written once per block of inputs;
+// without the groups, with 256 inputs a block, y [245, 5632] went to memory and back for each: 55-65 GFLOP/s on
+// one thread of the Zen 3 against 62-80 standalone, noisy); panels; tiles of rows.
+template <typename W>
+__attribute__((target("avx2,fma"))) void gemm_avx2(const float* xp, const W* w, int64_t rows, int64_t in, int64_t n0,
+                                                   int64_t n1, float* y, int64_t ldy) {
+  using Micro = void (*)(const float*, const float*, int64_t, float*, int64_t, bool);
+  static constexpr Micro kMicro[kMr + 1] = {nullptr,        micro_avx2<1>, micro_avx2<2>, micro_avx2<3>,
+                                            micro_avx2<4>, micro_avx2<5>, micro_avx2<6>};
+  alignas(64) float panel[kKc * kNr];
+  alignas(64) float edge[kMr * kNr];  // a tile of the matrix's last columns, when fewer than 16
+  const int64_t blocks = (rows + kMc - 1) / kMc, mc = ((rows + blocks - 1) / blocks + kMr - 1) / kMr * kMr;
+  const int64_t steps = (in + kKc - 1) / kKc, kStep = ((in + steps - 1) / steps + 7) / 8 * 8;  // 576 = 2 x 288
+  for (int64_t m0 = 0; m0 < rows; m0 += mc) {
+    const int64_t m1 = std::min(rows, m0 + mc);
+    for (int64_t g0 = n0; g0 < n1; g0 += kGroup * kNr) {
+      const int64_t g1 = std::min(n1, g0 + kGroup * kNr);
+      for (int64_t k0 = 0; k0 < in; k0 += kStep) {
+        const int64_t kc = std::min(kStep, in - k0);
+        for (int64_t n = g0; n < g1; n += kNr) {
+          const int64_t cols = std::min<int64_t>(kNr, g1 - n);
+          pack_avx2(w, in, n, cols, k0, kc, panel);
+          for (int64_t m = m0; m < m1; m += kMr) {
+            const int left = static_cast<int>(std::min<int64_t>(kMr, m1 - m));
+            const float* xm = xp + m * in + k0 * kMr;
+            if (cols == kNr) {
+              kMicro[left](xm, panel, kc, y + m * ldy + n, ldy, k0 > 0);
+              continue;
+            }
+            for (int r = 0; r < left; ++r)
+              for (int64_t j = 0; j < cols; ++j) edge[r * kNr + j] = k0 ? y[(m + r) * ldy + n + j] : 0.0f;
+            kMicro[left](xm, panel, kc, edge, kNr, k0 > 0);
+            for (int r = 0; r < left; ++r)
+              for (int64_t j = 0; j < cols; ++j) y[(m + r) * ldy + n + j] = edge[r * kNr + j];
+          }
+        }
+      }
     }
   }
 }
@@ -280,51 +417,54 @@ at::Tensor float_mv(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 // minigpt::float_mm: the same product for a prompt's rows, any number (a prefill package's, whose rows are known
-// only when it runs). Up to kDotRowsMax rows: tiles_avx2, each weight converted in registers and used for four
-// activation rows at a time. More rows: slices of at most kSliceBytes of weight rows converted to float32 (ATen's
-// vectorised copy) and ATen's float32 GEMM, as the package did before (minigpt/infer/fastpath/kernels.py,
-// Proj._gemm, traced), whose blocking wins once the rows are many. SmolLM-135M's matrices in bf16 on a 2-core
-// AVX2-only Zen 3 EPYC, eager, medians of 5 in one process, two processes each (session 75): tiles / conversion
-// and GEMM 0.37-0.55x at 24 rows, 0.70-0.79x at 64, 0.76-0.94x at 128, 0.93-1.04x at 245; float_mv's dot products
-// (two activation rows a pass) 1.1-1.9x the tiles. Widening tiles of weights in each thread's cache and giving
-// them to the GEMM one thread each was slower from 245 rows (685 against 542 ms).
-constexpr int64_t kDotRowsMax = 128;
-constexpr int64_t kSliceBytes = 8 << 20;
+// only when it runs). Up to kTileRowsMax rows: tiles_avx2, each weight converted in registers and used for four
+// activation rows (the weights' bytes bound the product). More rows: gemm_avx2, each weight converted once per
+// block of kMc rows into its panel. SmolLM-135M's 120 matrices in bf16 on a 2-core AVX2-only Zen 3 EPYC, eager,
+// medians of 5 in one process (session 77): the GEMM's time / the tiles' 1.31x at 4 rows, 1.15x at 13, 1.04x at
+// 16, 0.90x at 24, 0.72-0.93x at 32-128; / slices converted for ATen's float32 GEMM (the path above 128 rows
+// before) 0.74-0.77x at 245 rows, 0.85x at 512, and 0.74x for TinyLlama-1.1B's 88 at 245. Without AVX2: ATen's
+// GEMM on a float32 copy.
+constexpr int64_t kTileRowsMax = 16;
+constexpr size_t kPackedKeep = 16 << 20;  // floats (64 MiB): a larger buffer of packed rows is freed after the call
 
 at::Tensor float_mm(const at::Tensor& x, const at::Tensor& weight) {
   check_operands("minigpt::float_mm", x, weight);
   const int64_t rows = x.size(0), in = x.size(1), out = weight.size(0);
-  if (rows == 0 || in == 0 || out == 0 || (rows <= kDotRowsMax && chosen_isa() == kScalar))
+  if (rows == 0 || in == 0 || out == 0 || (rows <= kTileRowsMax && chosen_isa() == kScalar))
     return float_mv(x, weight);
   at::Tensor xc = x.contiguous();
-  if (rows <= kDotRowsMax) {
-    at::Tensor wc = weight.contiguous(), y = at::empty({rows, out}, xc.options());
-    const float* xp = xc.data_ptr<float>();
-    float* yp = y.data_ptr<float>();
+  if (chosen_isa() == kScalar) return at::mm(xc, weight.to(at::kFloat).t());
+  at::Tensor wc = weight.contiguous(), y = at::empty({rows, out}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const bool bf16 = wc.scalar_type() == at::kBFloat16;
+  const float* wf = bf16 ? nullptr : wc.data_ptr<float>();
+  const uint16_t* wb = bf16 ? reinterpret_cast<const uint16_t*>(wc.data_ptr<c10::BFloat16>()) : nullptr;
+  if (rows <= kTileRowsMax) {
     at::parallel_for(0, (out + 15) / 16, 1, [&](int64_t begin, int64_t end) {  // in units of 16 weight rows
       const int64_t n0 = begin * 16, n1 = std::min(out, end * 16);
-      if (wc.scalar_type() == at::kFloat)
-        tiles_avx2(xp, wc.data_ptr<float>(), rows, in, n0, n1, yp, out);
+      if (bf16)
+        tiles_avx2(xp, wb, rows, in, n0, n1, yp, out);
       else
-        tiles_avx2(xp, reinterpret_cast<const uint16_t*>(wc.data_ptr<c10::BFloat16>()), rows, in, n0, n1, yp, out);
+        tiles_avx2(xp, wf, rows, in, n0, n1, yp, out);
     });
     return y;
   }
-  if (weight.scalar_type() == at::kFloat) return at::mm(xc, weight.t());
-  const int64_t step = std::min(out, std::max<int64_t>(16, kSliceBytes / (in * 4) / 16 * 16));
-  // The converted rows go to this thread's buffer, kept from call to call: a new one each time would be fresh
-  // pages (8 MiB a slice, ~0.8 GB a prefill call at 135M) that the kernel faults in and zeroes.
-  static thread_local std::vector<float> scratch;
-  if (scratch.size() < static_cast<size_t>(step * in)) scratch.resize(step * in);
-  const at::Tensor converted = at::from_blob(scratch.data(), {step, in}, xc.options());
-  at::Tensor y = at::empty({rows, out}, xc.options());
-  for (int64_t n0 = 0; n0 < out; n0 += step) {
-    const int64_t n = std::min(step, out - n0);
-    at::Tensor slice = converted.narrow(0, 0, n);
-    slice.copy_(weight.narrow(0, n0, n));
-    if (n == out) return at::mm(xc, slice.t());
-    y.narrow(1, n0, n).copy_(at::mm(xc, slice.t()));
-  }
+  // The packed rows go to this thread's buffer, kept from call to call: a new one each time would be fresh pages
+  // that the kernel faults in and zeroes.
+  static thread_local std::vector<float> packed;
+  const int64_t tiles = (rows + kMr - 1) / kMr;
+  if (packed.size() < static_cast<size_t>(tiles * kMr * in)) packed.resize(tiles * kMr * in);
+  float* pp = packed.data();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) { pack_rows(xp, rows, in, begin, end, pp); });
+  at::parallel_for(0, (out + kNr - 1) / kNr, 1, [&](int64_t begin, int64_t end) {  // in panels of 16 columns
+    const int64_t n0 = begin * kNr, n1 = std::min(out, end * kNr);
+    if (bf16)
+      gemm_avx2(pp, wb, rows, in, n0, n1, yp, out);
+    else
+      gemm_avx2(pp, wf, rows, in, n0, n1, yp, out);
+  });
+  if (packed.size() > kPackedKeep) std::vector<float>().swap(packed);
   return y;
 }
 

@@ -31,8 +31,9 @@ def _float_mv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 _LIB.impl("float_mv", _float_mv, "CompositeExplicitAutograd")
-# The same product for a prompt's rows (a prefill package's, any number): the C++ kernel multiplies up to 128 rows
-# in register tiles, bf16 converted in registers, and more through the float32 GEMM on converted slices.
+# The same product for a prompt's rows (a prefill package's, any number): the C++ kernel multiplies up to 16 rows
+# in register tiles, bf16 converted in registers, and more through its own packed GEMM (each weight converted once
+# per block of rows into a float32 panel).
 _LIB.define("float_mm(Tensor x, Tensor weight) -> Tensor")
 _LIB.impl("float_mm", _float_mv, "CompositeExplicitAutograd")
 

@@ -452,7 +452,7 @@ def decode_linear(p, x: torch.Tensor, group_size: int = 0, w8a8: bool = False, f
     ``float_mv``: float32 and bfloat16 weights go through MiniGPT's C++ kernel, the op ``minigpt::float_mv``, up to
     :data:`DECODE_ROWS_MAX` rows as the loops (:mod:`~minigpt.infer.fastpath.float_mv`, for AOTInductor packages);
     more rows of bfloat16 weights, where the CPU has no native bf16, through ``minigpt::float_mm`` (its tiles of
-    dot products up to 128 rows, a float32 GEMM on converted slices above: ``minigpt/infer/float_kernel.cpp``).
+    dot products up to 16 rows, its packed float32 GEMM above: ``minigpt/infer/float_kernel.cpp``).
     """
     if isinstance(p, list):
         return torch.cat([decode_linear(q, x, group_size, w8a8, float_mv) for q in p], dim=-1)
