@@ -9,6 +9,7 @@ import torch
 from conftest import random_model
 
 from minigpt.infer.fastpath import DECODE_ROWS_MAX, Proj, kernels, prepare
+from minigpt.infer.fastpath.float_mv import FLOAT_MV_ENV
 from minigpt.infer.fastpath.library import aten_woq_wanted
 from minigpt.model.quant import dequantize_weight, dequantize_weight_int4, quantize_weight, quantize_weight_int4
 from minigpt.runtime import native_bf16
@@ -70,6 +71,7 @@ def test_a_converted_weight_is_converted_a_slice_of_rows_at_a_time(kind, native,
     if native and not native_bf16("cpu"):
         pytest.skip("this CPU has no native bf16 (AVX512-BF16 / AMX)")
     monkeypatch.setattr(kernels, "native_bf16", lambda device_type="cpu": native)
+    monkeypatch.setenv(FLOAT_MV_ENV, "0")  # the GEMM's path, not minigpt::float_mm's (tests/infer/test_float_mv.py)
     p, dense, bias = _proj(kind)
     x = torch.randn(DECODE_ROWS_MAX + 8, 96)
     whole = p(x)

@@ -123,21 +123,25 @@ def test_a_bf16_package_step_goes_through_the_kernel_and_computes_the_loops_step
     torch.testing.assert_close(module_out[0], got[0], atol=1e-6, rtol=1e-6)
 
 
-def test_a_bf16_prefill_package_multiplies_a_prompts_rows_through_float_mm(monkeypatch):
-    """Where the CPU has no native bf16, a bf16 prefill package (whose prompt rows are known only when it runs)
-    sends each layer's four products through ``minigpt::float_mm`` and writes the cache columns of the same
-    prefill through the fast path's GEMM (Proj._gemm), to float32 rounding; with native bf16 it keeps the bf16
-    GEMM."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_prefill_package_multiplies_a_prompts_rows_through_float_mm(monkeypatch, dtype):
+    """Where the C++ kernel runs AVX2 code, a float32 prefill package (whose prompt rows are known only when it
+    runs) sends each layer's four products through ``minigpt::float_mm``, and a bf16 one does where the CPU has no
+    native bf16; either writes the cache columns of the same prefill through the fast path's GEMM (oneDNN's, or
+    Proj._gemm's), to float32 rounding. With native bf16 a bf16 package keeps the bf16 GEMM."""
     from minigpt.infer.fastpath import kernels
 
     if float_mv_kernel() in (None, "scalar"):
         pytest.skip("the kernel is not vectorised here")
-    monkeypatch.setattr(kernels, "native_bf16", lambda device_type="cpu": False)
+    monkeypatch.setattr(float_mv, "float_mv_kernel", lambda: "avx2")  # the rule's; the op keeps this CPU's kernel
+    for module in (kernels, float_mv):
+        monkeypatch.setattr(module, "native_bf16", lambda device_type="cpu": False)
     monkeypatch.setenv(FLOAT_MV_ENV, "1")
-    through = FastPath(make().to(torch.bfloat16), compile=True, aoti=True)
+    through = FastPath(make().to(dtype), compile=True, aoti=True)
     monkeypatch.setenv(FLOAT_MV_ENV, "0")
-    plain = FastPath(make().to(torch.bfloat16), compile=True, aoti=True)
-    assert through.geometry.float_mv and not plain.geometry.float_mv
+    plain = FastPath(make().to(dtype), compile=True, aoti=True)
+    assert through.geometry.float_mm and not plain.geometry.float_mm
+    assert through.geometry.float_mv is (dtype == torch.bfloat16)  # float32 decode steps keep the loops
     rows, zero = 2 * aoti.PREFILL_ROWS_MIN, torch.zeros(1, dtype=torch.long)
     tokens = torch.randint(1, SHAPE["vocab_size"], (1, rows), generator=torch.Generator().manual_seed(3))
 
@@ -158,10 +162,67 @@ def test_a_bf16_prefill_package_multiplies_a_prompts_rows_through_float_mm(monke
     assert len(calls) == 4 * SHAPE["n_layers"]  # every layer's four projections (no head: columns only)
     for a, b in zip(columns(through, exported.module()), got):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
-    monkeypatch.setattr(kernels, "native_bf16", lambda device_type="cpu": True)
+    for module in (kernels, float_mv):
+        monkeypatch.setattr(module, "native_bf16", lambda device_type="cpu": True)
     with torch.inference_mode():
         exported = aoti.export_step(through, (tokens, zero, zero.clone(), cache.k, cache.v), prefill=True)
-    assert not [n for n in exported.graph.nodes if n.target is torch.ops.minigpt.float_mm.default]
+    calls = [n for n in exported.graph.nodes if n.target is torch.ops.minigpt.float_mm.default]
+    assert len(calls) == (4 * SHAPE["n_layers"] if dtype == torch.float32 else 0)
+
+
+@pytest.mark.parametrize("vendor, isa, dtype, setting, used", [
+    ("AuthenticAMD", "avx2", torch.float32, None, True), ("AuthenticAMD", "avx512", torch.float32, None, False),
+    ("AuthenticAMD", "avx512", torch.bfloat16, None, True), ("AuthenticAMD", "scalar", torch.bfloat16, None, False),
+    ("AuthenticAMD", None, torch.float32, None, False), ("GenuineIntel", "avx2", torch.float32, None, False),
+    ("GenuineIntel", "avx2", torch.float32, "1", True), ("AuthenticAMD", "avx2", torch.float32, "0", False)])
+def test_which_prompts_go_through_float_mm(monkeypatch, vendor, isa, dtype, setting, used):
+    """float_mm_wanted: AMD CPUs by default or any with $MINIGPT_FLOAT_MV=1, none with 0; bf16 weights where the
+    kernel is vectorised, float32 ones where it runs AVX2 code (no AVX-512: there oneDNN's GEMM runs 512-bit code);
+    never int8 or int4 weights; with ``load=False`` only once the kernel is loaded."""
+    from minigpt.infer.fastpath.kernels import Proj
+
+    monkeypatch.setattr(float_mv, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(float_mv, "float_mv_kernel", lambda: isa)
+    if setting is None:
+        monkeypatch.delenv(FLOAT_MV_ENV, raising=False)
+    else:
+        monkeypatch.setenv(FLOAT_MV_ENV, setting)
+    weights = [Proj(torch.zeros(4, 8, dtype=dtype))]
+    assert float_mv.float_mm_wanted(weights) is used
+    assert not float_mv.float_mm_wanted([Proj(torch.zeros(4, 8, dtype=torch.int8), torch.ones(4))])
+    monkeypatch.setattr(float_mv, "_FOUND", [])
+    assert not float_mv.float_mm_wanted(weights, load=False)
+    monkeypatch.setattr(float_mv, "_FOUND", [str(isa)])
+    assert float_mv.float_mm_wanted(weights, load=False) is used
+
+
+def test_an_eager_prefill_goes_through_float_mm_once_the_kernel_is_loaded(monkeypatch):
+    """The eager fast path's many-row float32 products (a prompt's) take ``minigpt::float_mm`` where a prefill
+    package would, once the kernel is loaded, with the logits of oneDNN's or ATen's GEMM to float32 rounding; a
+    decode step's one row and $MINIGPT_FLOAT_MV=0 keep the GEMM."""
+    from minigpt.infer.fastpath import kernels
+
+    if float_mv_kernel() in (None, "scalar"):
+        pytest.skip("the kernel is not vectorised here")
+    monkeypatch.setattr(float_mv, "float_mv_kernel", lambda: "avx2")
+    monkeypatch.setattr(float_mv, "_FOUND", ["avx2"])
+    seen = []
+    monkeypatch.setattr(kernels, "float_mm_linear", lambda p, x: seen.append(x.shape) or float_mv.float_mm_linear(p, x))
+    fp = FastPath(make(), compile=False)
+    tokens = torch.randint(1, SHAPE["vocab_size"], (1, 20), generator=torch.Generator().manual_seed(4))
+
+    def logits(setting):
+        monkeypatch.setenv(FLOAT_MV_ENV, setting)
+        cache = fp.new_kv_cache(1, 64)
+        with torch.inference_mode():
+            return fp(tokens, 0, cache), fp(tokens[:, :1], 20, cache)
+
+    want = logits("0")
+    assert not seen
+    got = logits("1")
+    assert len(seen) == 4 * SHAPE["n_layers"] + 1 and all(s[:-1] == (1, 20) for s in seen)  # the head's 20 too
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 AVX512 = frozenset({"avx2", "fma", "avx512f", "avx512bw"})

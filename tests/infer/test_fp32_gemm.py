@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from conftest import random_model
 
 from minigpt.infer.fastpath import kernels, prepare
+from minigpt.infer.fastpath.float_mv import FLOAT_MV_ENV
 
 torch.set_num_threads(1)
 
@@ -76,6 +77,7 @@ def test_a_product_that_needs_a_gradient_goes_through_f_linear(monkeypatch):
 @pytest.mark.parametrize("library", ["onednn", "mkl"])
 def test_a_prefill_through_either_library_gives_the_models_logits(monkeypatch, library):
     monkeypatch.setenv(kernels.FP32_GEMM_ENV, library)
+    monkeypatch.setenv(FLOAT_MV_ENV, "0")  # the GEMM's path, not minigpt::float_mm's (tests/infer/test_float_mv.py)
     calls = _spy_onednn(monkeypatch)
     model = make()
     tokens = torch.randint(0, SHAPE["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))

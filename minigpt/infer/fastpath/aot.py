@@ -112,7 +112,7 @@ def cached_step(fp, example_args: tuple, directory: Optional[Path | bool] = None
     ``"jit"`` (the ordinary ``torch.compile``: cache off, or the AOT path failed); with ``aoti``, first an
     AOTInductor package (:mod:`~minigpt.infer.fastpath.aoti`, CPU): ``"aoti-loaded"`` or ``"aoti-saved"``, and
     when packaging fails (one warning) the saved step as above, its float products back in the generated loops
-    (``fp.geometry.float_mv`` turned off). Never raises for a bad cache.
+    (``fp.geometry.float_mv`` and ``float_mm`` turned off). Never raises for a bad cache.
     ``directory``: None = :func:`cache_dir`, False = no cache (``"jit"``). ``greedy``: the screened greedy step
     (:func:`~minigpt.infer.fastpath.step.static_greedy_step`) instead of the logits one."""
     directory = cache_dir() if directory is None else (None if directory is False else Path(directory))
@@ -124,10 +124,10 @@ def cached_step(fp, example_args: tuple, directory: Optional[Path | bool] = None
         packaged = _packaged_step(fp, example_args, directory, package, greedy)
         if packaged is not None:
             return packaged
-        if fp.geometry.float_mv:
+        if fp.geometry.float_mv or fp.geometry.float_mm:
             # minigpt::float_mv is for packages: a torch.compile step calls it through its Python wrapper, a round
             # trip per projection (fp32 decode 0.92x of the loops, docs/benchmarks.md, session 59). The loops then.
-            fp.geometry = dataclasses.replace(fp.geometry, float_mv=False)
+            fp.geometry = dataclasses.replace(fp.geometry, float_mv=False, float_mm=False)
     key = step_key(fp, token.shape[0], token.shape[1], k_cache[0].shape[2], example_args, greedy)
     path = directory / f"{key}.step"
     step = _load_saved(path, lambda p: _bound(load_step(p), fp))

@@ -17,7 +17,7 @@ import torch
 
 from minigpt.infer.fastpath.library import runner_kernel
 from minigpt.infer.launcher import install_float_kernel
-from minigpt.runtime import cpu_vendor
+from minigpt.runtime import cpu_vendor, native_bf16
 
 FLOAT_MV_ENV = "MINIGPT_FLOAT_MV"
 
@@ -31,9 +31,9 @@ def _float_mv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 _LIB.impl("float_mv", _float_mv, "CompositeExplicitAutograd")
-# The same product for a prompt's rows (a prefill package's, any number): the C++ kernel multiplies up to 16 rows
-# in register tiles, bf16 converted in registers, and more through its own packed GEMM (each weight converted once
-# per block of rows into a float32 panel).
+# The same product for a prompt's rows (a prefill package's or an eager prefill's, any number: float_mm_wanted):
+# the C++ kernel multiplies up to 16 rows in register tiles, bf16 converted in registers, and more through its own
+# packed GEMM (each weight converted once per block of rows into a float32 panel).
 _LIB.define("float_mm(Tensor x, Tensor weight) -> Tensor")
 _LIB.impl("float_mm", _float_mv, "CompositeExplicitAutograd")
 
@@ -85,3 +85,44 @@ def float_mv_wanted(projections) -> bool:
     if not any(p.scale is None and p.weight is not None and p.weight.dtype == torch.bfloat16 for p in projections):
         return False
     return float_mv_kernel() not in (None, "scalar")
+
+
+def float_mm_wanted(projections, load: bool = True) -> bool:
+    """Whether a prompt's rows (more than :data:`~minigpt.infer.fastpath.kernels.DECODE_ROWS_MAX`: a prefill
+    package's, an eager prefill's) times the float weights among ``projections`` (Proj objects) go through
+    ``minigpt::float_mm``: on AMD CPUs (or any with ``$MINIGPT_FLOAT_MV=1``; never with ``0``), bfloat16 weights
+    where the C++ kernel is vectorised (the caller checks that the CPU has no native bf16), float32 weights where it
+    runs AVX2 code, the CPU having no AVX-512 (there oneDNN's float32 GEMM runs 512-bit code: not measured against
+    this one). ``load``: build and load the kernel if it is not yet (:func:`float_mv_kernel`); else False until
+    something has (an eager prefill does not build the runner library for itself).
+
+    Why float32 too: on a 2-core AVX2-only Zen 3 EPYC (family 25 model 1), every float32 projection of
+    SmolLM-135M's shape, eager, 2 threads, lower of two medians of 5, the kernel's time / the GEMM it replaces
+    (oneDNN's, :func:`~minigpt.infer.fastpath.kernels.fp32_gemm_library`) was 0.73x at 13 to 128 rows, 0.90x at
+    245, 1.03x at 512; TinyLlama-1.1B's 0.77x at 13, 0.88x at 62, 0.94x at 245, 0.98x at 512 (docs/benchmarks.md,
+    session 78)."""
+    choice = os.environ.get(FLOAT_MV_ENV, "").strip()
+    if choice == "0" or (choice != "1" and cpu_vendor() != "AuthenticAMD"):
+        return False
+    dtypes = {p.weight.dtype for p in projections if p.scale is None and p.weight is not None
+              and p.weight.device.type == "cpu"}
+    if not dtypes & {torch.float32, torch.bfloat16} or not (load or _FOUND):
+        return False
+    isa = float_mv_kernel()
+    return isa == "avx2" if torch.float32 in dtypes else isa in ("avx2", "avx512")
+
+
+def float_mm_takes(p) -> bool:
+    """Whether ``minigpt::float_mm`` takes Proj ``p``: float32 weights, or bfloat16 where the CPU has no native bf16
+    (there oneDNN's bf16 GEMM is faster)."""
+    w = p.weight
+    return p.scale is None and w is not None and (w.dtype == torch.float32 or (
+        w.dtype == torch.bfloat16 and not native_bf16("cpu")))
+
+
+def float_mm_linear(p, x: torch.Tensor) -> torch.Tensor:
+    """``p(x)`` through ``minigpt::float_mm`` (``minigpt/infer/float_kernel.cpp``: register tiles up to 16 rows, its
+    packed float32 GEMM above), ``x`` ``[..., in]`` -> ``[..., out]`` in ``x``'s dtype, summed in float32."""
+    y = torch.ops.minigpt.float_mm(x.reshape(-1, x.shape[-1]).float(), p.weight)
+    y = y if p.bias is None else y + p.bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], -1)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minigpt.infer.fastpath.float_mv import float_mm_linear, float_mm_takes, float_mm_wanted
 from minigpt.infer.fastpath.library import aten_woq_linear, q4_linear, w8a8_linear
 from minigpt.model.quant import Int4Linear, Int8Linear, dequantize_weight_int4, int8_linear
 from minigpt.runtime import cpu_vendor, native_bf16
@@ -145,8 +146,8 @@ class Proj:
         on an AVX512-BF16 CPU, a 135M model's eager bf16 decode ran 46 tokens/s, against 35 through ``F.linear``'s
         oneDNN call) and a few rows (batched decode) through ``F.linear``, on activations rounded to the weight
         dtype; many rows (prefill) through :meth:`_gemm`: oneDNN's bf16 GEMM where the CPU has native bf16, else
-        an fp32 GEMM on the weights upcast a slice of rows at a time, because CPUs without native bf16 run
-        half-precision GEMMs ~100x slower than fp32 ones.
+        an fp32 GEMM on the weights upcast a slice at a time (half-precision GEMMs run ~100x slower there), or,
+        with fp32 weights too, ``minigpt::float_mm`` once its kernel is loaded (float_mv.float_mm_wanted).
         int8 weights packed for FBGEMM (:func:`w8a8_layout`): any number of rows through :func:`w8a8_linear`, so
         that a row's result never depends on how many rows share the call (a prompt prefilled beside others, a
         chunked prefill, a decode step: the same numbers); held by MiniGPT's kernel alone
@@ -161,6 +162,9 @@ class Proj:
         numerics); more rows through the dequantized GEMM, in bf16 on CPUs with native bf16, else in float32,
         converting a slice of rows at a time (:meth:`_gemm`)."""
         w, rows = self.weight, x.numel() // x.shape[-1]
+        if (rows > DECODE_ROWS_MAX and float_mm_takes(self) and not (torch.is_grad_enabled() and x.requires_grad)
+                and float_mm_wanted([self], load=False)):  # as in a prefill package
+            return float_mm_linear(self, x)
         if self.w8a8 is not None:  # as in the compiled step: FBGEMM, or MiniGPT's kernel alone (AVX2 without VNNI)
             return w8a8_linear(self, x)
         if self.q4 and (rows <= INT4_ATEN_ROWS_MAX or not native_bf16("cpu")):  # int4 x int8, as in the compiled
@@ -434,7 +438,8 @@ def _row_blocks(out: int, rows: int) -> int:
     return 1
 
 
-def decode_linear(p, x: torch.Tensor, group_size: int = 0, w8a8: bool = False, float_mv: bool = False) -> torch.Tensor:
+def decode_linear(p, x: torch.Tensor, group_size: int = 0, w8a8: bool = False, float_mv: bool = False,
+                  float_mm: bool = False) -> torch.Tensor:
     """``p(x)`` for the traced decode step, ``x`` ``[batch, seq, in]`` -> ``[batch, seq, out]`` (``seq`` new tokens
     per row: 1 when decoding, k + 1 when verifying speculative proposals).
 
@@ -450,12 +455,12 @@ def decode_linear(p, x: torch.Tensor, group_size: int = 0, w8a8: bool = False, f
     ``p`` was prepared by :func:`w8a8_layout` and goes through :func:`w8a8_linear`, any number of rows (a flag, not
     ``p.w8a8``: the step rebuilds its projections from their tensors, and Dynamo must not touch FBGEMM's object).
     ``float_mv``: float32 and bfloat16 weights go through MiniGPT's C++ kernel, the op ``minigpt::float_mv``, up to
-    :data:`DECODE_ROWS_MAX` rows as the loops (:mod:`~minigpt.infer.fastpath.float_mv`, for AOTInductor packages);
-    more rows of bfloat16 weights, where the CPU has no native bf16, through ``minigpt::float_mm`` (its tiles of
-    dot products up to 16 rows, its packed float32 GEMM above: ``minigpt/infer/float_kernel.cpp``).
+    :data:`DECODE_ROWS_MAX` rows as the loops (:mod:`~minigpt.infer.fastpath.float_mv`, for AOTInductor packages).
+    ``float_mm``: more rows of float32 weights, and of bfloat16 ones where the CPU has no native bf16, through
+    ``minigpt::float_mm`` (:mod:`~minigpt.infer.fastpath.float_mv`).
     """
     if isinstance(p, list):
-        return torch.cat([decode_linear(q, x, group_size, w8a8, float_mv) for q in p], dim=-1)
+        return torch.cat([decode_linear(q, x, group_size, w8a8, float_mv, float_mm) for q in p], dim=-1)
     if w8a8 and p.scale is not None and p.scale.dim() == 1:
         return w8a8_linear(p, x)
     batch, seq = x.shape[0], x.shape[1]
@@ -466,12 +471,8 @@ def decode_linear(p, x: torch.Tensor, group_size: int = 0, w8a8: bool = False, f
         return aten_woq_linear(p, x, group_size)
     int4 = p.scale is not None and p.scale.dim() == 2
     if (rows > DECODE_ROWS_MAX or int4) and p.words is None:
-        if float_mv and p.scale is None and p.weight.dtype == torch.bfloat16 and not native_bf16("cpu"):
-            # A prompt's rows, known only when a prefill package runs: the C++ op picks register tiles or a GEMM
-            y = torch.ops.minigpt.float_mm(x.reshape(rows, -1).float(), p.weight)
-            y = y if p.bias is None else y + p.bias.float()
-            return y.to(x.dtype).view(batch, seq, -1)
-        return p(x)
+        # A prompt's rows, known only when a prefill package runs: the C++ op picks register tiles or a GEMM
+        return float_mm_linear(p, x) if float_mm and float_mm_takes(p) else p(x)
     x32 = x.reshape(rows, -1).float()
     # An identity as_strided makes Inductor materialise x first (its lowering realizes the input); otherwise it
     # inlines x's producer into the reduction and recomputes it for every output row (e.g. SiLU * up before w2).

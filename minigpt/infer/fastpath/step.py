@@ -43,6 +43,7 @@ class Geometry:
     w8a8: bool = False  # the int8 projections of the layers go through FBGEMM (library.w8a8_layout)
     head_w8a8: bool = False  # the LM head does
     float_mv: bool = False  # float32 and bfloat16 projections go through minigpt::float_mv (fastpath.float_mv)
+    float_mm: bool = False  # and a prompt's rows through minigpt::float_mm (fastpath.float_mv.float_mm_wanted)
 
 
 def simd_options() -> dict:
@@ -125,7 +126,8 @@ def static_step(fp, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Ten
     :func:`decode_layer` inline (for ``torch.export``, see :func:`_trunk`)."""
     h, new_k, new_v = _trunk(fp, token, input_pos, pad, k_cache, v_cache, regions)
     h = rms_norm(h, fp.final_norm, fp.final_eps)
-    return decode_linear(fp.head, h, w8a8=fp.geometry.head_w8a8, float_mv=fp.geometry.float_mv), new_k, new_v
+    g = fp.geometry
+    return decode_linear(fp.head, h, w8a8=g.head_w8a8, float_mv=g.float_mv, float_mm=g.float_mm), new_k, new_v
 
 
 def static_greedy_step(fp, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Tensor,
@@ -197,9 +199,12 @@ def decode_layer(h, k_cache, v_cache, key_valid, cos, sin, attn_norm, wqkv, wqkv
     nh, nkv, hd = g.n_heads, g.n_kv_heads, g.head_dim
     new_kv = []  # the attention's new keys and values, the region's other outputs
 
+    def linear(x, *tensors):  # (weight, scale, bias, words, word_scale)
+        return decode_linear(Proj(*tensors), x, g.group_size, g.w8a8, g.float_mv, g.float_mm)
+
     def attention(x):
         batch, seq = x.shape[0], x.shape[1]
-        qkv = decode_linear(Proj(wqkv, wqkv_scale, wqkv_bias, wqkv_words, wqkv_ws), x, g.group_size, g.w8a8, g.float_mv)
+        qkv = linear(x, wqkv, wqkv_scale, wqkv_bias, wqkv_words, wqkv_ws)
         qkv = qkv.view(batch, seq, nh + 2 * nkv, hd)
         qk = rope_rotate(qkv[:, :, :nh + nkv], cos, sin)
         q = qk[:, :, :nh]
@@ -210,12 +215,11 @@ def decode_layer(h, k_cache, v_cache, key_valid, cos, sin, attn_norm, wqkv, wqkv
             out = _prompt_attention(q, k, v, k_cache, v_cache, key_valid, g.scale)
         else:
             out = _step_attention(q, k, v, k_cache, v_cache, key_valid, g.scale)
-        return decode_linear(Proj(wo, wo_scale, wo_bias, wo_words, wo_ws), out, g.group_size, g.w8a8, g.float_mv)
+        return linear(out, wo, wo_scale, wo_bias, wo_words, wo_ws)
 
     def feed_forward(x):
-        hidden = ffn_hidden(g.ffn, decode_linear(Proj(w13, w13_scale, w13_bias, w13_words, w13_ws), x,
-                                                 g.group_size, g.w8a8, g.float_mv))
-        return decode_linear(Proj(w2, w2_scale, w2_bias, w2_words, w2_ws), hidden, g.group_size, g.w8a8, g.float_mv)
+        hidden = ffn_hidden(g.ffn, linear(x, w13, w13_scale, w13_bias, w13_words, w13_ws))
+        return linear(hidden, w2, w2_scale, w2_bias, w2_words, w2_ws)
 
     h = pre_norm_residual(h, lambda x: rms_norm(x, attn_norm, attn_eps), attention,
                           lambda x: rms_norm(x, ffn_norm, ffn_eps), feed_forward)

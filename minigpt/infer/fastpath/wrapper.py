@@ -19,7 +19,7 @@ from minigpt.checkpoint.native import load_model
 from minigpt.heap import keep_freed_blocks
 from minigpt.infer.fastpath import prefill_attention
 from minigpt.infer.fastpath.aot import cached_step
-from minigpt.infer.fastpath.float_mv import float_mv_wanted
+from minigpt.infer.fastpath.float_mv import float_mm_wanted, float_mv_wanted
 from minigpt.infer.fastpath.kernels import (
     ACT_DTYPE,
     LayerWeights,
@@ -152,8 +152,7 @@ class FastPath(nn.Module):
         self.final_eps = m.norm.eps
         self.head = module_proj(m.output)
         projections = [self.head] + [q for lw in self.layers for q in (lw.wqkv, lw.wo, lw.w13, lw.w2)]
-        # The compiled step takes each projection as one tensor set: layers of mixed kinds that could not be fused
-        # (fuse_projections) run eagerly.
+        # The compiled step takes each projection as one tensor set: unfused layers of mixed kinds run eagerly.
         self.compiled = self.compiled and not any(isinstance(p, list) for p in projections)
         # int8 and int4 weights: ATen's weight-only kernels where wanted and they take the shape (in the compiled
         # step and in eager decode steps alike), else, compiled, read as float32 words (same memory)
@@ -182,11 +181,12 @@ class FastPath(nn.Module):
         self.cos = m.rope_cos.to(ACT_DTYPE)
         self.sin_signed = signed_sine(m.rope_sin).to(ACT_DTYPE)
         self.scale = 1.0 / math.sqrt(c.head_dim)
-        # A bf16 AOTInductor step on a CPU: its float products through MiniGPT's C++ kernel (float_mv says why, and
-        # why not float32 or torch.compile's steps)
-        floats = self.compiled and self.aoti and self.device.type == "cpu" and float_mv_wanted(flat)
+        # A bf16 AOTInductor step on a CPU: its float products through MiniGPT's C++ kernel, and a prompt's fp32 or
+        # bf16 ones (float_mv says why, and why not float32 decode or torch.compile's steps)
+        package = self.compiled and self.aoti and self.device.type == "cpu"
         self.geometry = Geometry(c.n_heads, c.n_kv_heads, c.head_dim, self.scale, c.ffn, self.woq_group_size,
-                                 layers_w8a8, self.head.w8a8 is not None, floats)
+                                 layers_w8a8, self.head.w8a8 is not None, package and float_mv_wanted(flat),
+                                 package and float_mm_wanted(flat))
 
     @property
     def device(self) -> torch.device:
