@@ -176,10 +176,10 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const float* x, const W* w, i
   }
 }
 
-// Two weight rows (w0, w1) times M <= 4 activation rows, for a short prompt's rows (float_mm): y[m * ldy + j],
-// j = 0, 1. 2 M accumulators, one chain each (at M = 4 the eight cover the FMA latency of Zen 3 and Intel's cores),
-// and each weight and activation load feeds two and four FMAs where dot_avx2's feed two and one: with many rows
-// the product is bound by arithmetic and loads, not by the weights' bytes.
+// Two weight rows (w0, w1) times M <= 6 activation rows, for a short prompt's rows (float_mm): y[m * ldy + j],
+// j = 0, 1. 2 M accumulators, one chain each (from M = 4 they cover the FMA latency of Zen 3 and Intel's cores),
+// and each weight and activation load feeds M and two FMAs where dot_avx2's feed two and one: with many rows the
+// product is bound by arithmetic and loads, not by the weights' bytes.
 template <int M, typename W>
 __attribute__((target("avx2,fma"))) inline void tile_avx2(const float* x, const W* w0, const W* w1, int64_t in,
                                                           float* y, int64_t ldy) {
@@ -206,24 +206,30 @@ __attribute__((target("avx2,fma"))) inline void tile_avx2(const float* x, const 
 }
 
 // Output rows [n0, n1) for `rows` activation rows through tile_avx2, kChunkRows weight rows at a time (at most 98
-// KB of bf16 at 1536 inputs: they stay in L2 while every block of four activation rows passes over them; in
-// session 75, when the tiles took up to 128 rows, without the chunks a thread's whole range was read again for
-// each block, 1.24x ATen's GEMM's time at 245 rows instead of 0.93-1.04x).
-constexpr int64_t kChunkRows = 32;
+// KB of bf16 at 1536 inputs: they stay in L2 while every pass of activation rows goes over them; in session 75,
+// when the tiles took up to 128 rows, without the chunks a thread's whole range was read again for each pass,
+// 1.24x ATen's GEMM's time at 245 rows instead of 0.93-1.04x). The fewest passes of at most kTileMax rows, even
+// in size (13 rows: 5 + 4 + 4): before, passes of four left a last pass of one row whose two chains wait on the
+// FMA's latency; every float32 and bf16 product of TinyLlama-1.1B / SmolLM-135M at 13 rows took 0.92x / 0.83x the
+// time on a 2-core AVX2-only Zen 3 EPYC (paired medians; docs/benchmarks.md, session 79).
+constexpr int64_t kChunkRows = 32, kTileMax = 6;
 
 template <typename W>
 __attribute__((target("avx2,fma"))) void tiles_avx2(const float* x, const W* w, int64_t rows, int64_t in, int64_t n0,
                                                     int64_t n1, float* y, int64_t ldy) {
+  const int64_t passes = (rows + kTileMax - 1) / kTileMax;
   for (int64_t c0 = n0; c0 < n1; c0 += kChunkRows) {
     const int64_t c1 = std::min(n1, c0 + kChunkRows);
-    for (int64_t m = 0; m < rows; m += 4) {
+    for (int64_t p = 0, m = 0; p < passes; ++p) {
+      const int64_t left = (rows - m) / (passes - p) + ((rows - m) % (passes - p) != 0);
       const float* xm = x + m * in;
       float* ym = y + m * ldy;
-      const int64_t left = std::min<int64_t>(4, rows - m);
       int64_t n = c0;
       for (; n + 2 <= c1; n += 2) {
         const W *a = w + n * in, *b = a + in;
         switch (left) {
+          case 6: tile_avx2<6>(xm, a, b, in, ym + n, ldy); break;
+          case 5: tile_avx2<5>(xm, a, b, in, ym + n, ldy); break;
           case 4: tile_avx2<4>(xm, a, b, in, ym + n, ldy); break;
           case 3: tile_avx2<3>(xm, a, b, in, ym + n, ldy); break;
           case 2: tile_avx2<2>(xm, a, b, in, ym + n, ldy); break;
@@ -232,6 +238,7 @@ __attribute__((target("avx2,fma"))) void tiles_avx2(const float* x, const W* w, 
       }
       if (n < c1)  // an odd last weight row
         for (int64_t r = 0; r < left; ++r) dot_avx2<1>(xm + r * in, w + n * in, in, ym + r * ldy + n, ldy);
+      m += left;
     }
   }
 }
@@ -417,7 +424,7 @@ at::Tensor float_mv(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 // minigpt::float_mm: the same product for a prompt's rows, any number (a prefill package's, whose rows are known
-// only when it runs). Up to kTileRowsMax rows: tiles_avx2, each weight converted in registers and used for four
+// only when it runs). Up to kTileRowsMax rows: tiles_avx2, each weight converted in registers and used for up to six
 // activation rows (the weights' bytes bound the product). More rows: gemm_avx2, each weight converted once per
 // block of kMc rows into its panel. SmolLM-135M's 120 matrices in bf16 on a 2-core AVX2-only Zen 3 EPYC, eager,
 // medians of 5 in one process (session 77): the GEMM's time / the tiles' 1.31x at 4 rows, 1.15x at 13, 1.04x at
@@ -437,33 +444,28 @@ at::Tensor float_mm(const at::Tensor& x, const at::Tensor& weight) {
   at::Tensor wc = weight.contiguous(), y = at::empty({rows, out}, xc.options());
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const bool bf16 = wc.scalar_type() == at::kBFloat16;
-  const float* wf = bf16 ? nullptr : wc.data_ptr<float>();
-  const uint16_t* wb = bf16 ? reinterpret_cast<const uint16_t*>(wc.data_ptr<c10::BFloat16>()) : nullptr;
-  if (rows <= kTileRowsMax) {
-    at::parallel_for(0, (out + 15) / 16, 1, [&](int64_t begin, int64_t end) {  // in units of 16 weight rows
-      const int64_t n0 = begin * 16, n1 = std::min(out, end * 16);
-      if (bf16)
-        tiles_avx2(xp, wb, rows, in, n0, n1, yp, out);
-      else
-        tiles_avx2(xp, wf, rows, in, n0, n1, yp, out);
-    });
-    return y;
-  }
-  // The packed rows go to this thread's buffer, kept from call to call: a new one each time would be fresh pages
-  // that the kernel faults in and zeroes.
+  const bool tiles = rows <= kTileRowsMax;
+  // More rows are packed into this thread's buffer, kept from call to call: a new one each time would be fresh
+  // pages that the kernel faults in and zeroes.
   static thread_local std::vector<float> packed;
-  const int64_t tiles = (rows + kMr - 1) / kMr;
-  if (packed.size() < static_cast<size_t>(tiles * kMr * in)) packed.resize(tiles * kMr * in);
+  const int64_t row_tiles = (rows + kMr - 1) / kMr;
+  if (!tiles && packed.size() < static_cast<size_t>(row_tiles * kMr * in)) packed.resize(row_tiles * kMr * in);
   float* pp = packed.data();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) { pack_rows(xp, rows, in, begin, end, pp); });
-  at::parallel_for(0, (out + kNr - 1) / kNr, 1, [&](int64_t begin, int64_t end) {  // in panels of 16 columns
-    const int64_t n0 = begin * kNr, n1 = std::min(out, end * kNr);
-    if (bf16)
-      gemm_avx2(pp, wb, rows, in, n0, n1, yp, out);
-    else
-      gemm_avx2(pp, wf, rows, in, n0, n1, yp, out);
-  });
+  if (!tiles)
+    at::parallel_for(0, row_tiles, 1, [&](int64_t begin, int64_t end) { pack_rows(xp, rows, in, begin, end, pp); });
+  const auto run = [&](const auto* w) {
+    at::parallel_for(0, (out + kNr - 1) / kNr, 1, [&](int64_t begin, int64_t end) {  // in units of 16 weight rows
+      const int64_t n0 = begin * kNr, n1 = std::min(out, end * kNr);
+      if (tiles)
+        tiles_avx2(xp, w, rows, in, n0, n1, yp, out);
+      else
+        gemm_avx2(pp, w, rows, in, n0, n1, yp, out);
+    });
+  };
+  if (wc.scalar_type() == at::kBFloat16)
+    run(reinterpret_cast<const uint16_t*>(wc.data_ptr<c10::BFloat16>()));
+  else
+    run(wc.data_ptr<float>());
   if (packed.size() > kPackedKeep) std::vector<float>().swap(packed);
   return y;
 }

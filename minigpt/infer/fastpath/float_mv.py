@@ -53,6 +53,13 @@ def float_mv_kernel() -> Optional[str]:
     return runner_kernel(_FOUND, install_float_kernel, "float_mv_isa")
 
 
+def _setting_allows() -> bool:
+    """``$MINIGPT_FLOAT_MV``: ``1`` lets the C++ kernel take the products on any CPU, ``0`` on none; unset, on AMD's
+    (:func:`~minigpt.runtime.cpu_vendor`)."""
+    choice = os.environ.get(FLOAT_MV_ENV, "").strip()
+    return choice == "1" or (choice != "0" and cpu_vendor() == "AuthenticAMD")
+
+
 def float_mv_wanted(projections) -> bool:
     """Whether an AOTInductor step sends its float projections through ``minigpt::float_mv``: some of
     ``projections`` (Proj objects) have bfloat16 weights, the C++ kernel is vectorised here (:func:`float_mv_kernel`;
@@ -79,8 +86,7 @@ def float_mv_wanted(projections) -> bool:
     AOTInductor calls the op is not the cause (0.45 us a call more than a C shim on the Sapphire Rapids, about 55
     us of a 12 ms token). Not ``torch.compile``'s steps: their Python wrapper makes each call a round trip, fp32
     decode 0.92x (docs/benchmarks.md, sessions 59-61)."""
-    choice = os.environ.get(FLOAT_MV_ENV, "").strip()
-    if choice == "0" or (choice != "1" and cpu_vendor() != "AuthenticAMD"):
+    if not _setting_allows():
         return False
     if not any(p.scale is None and p.weight is not None and p.weight.dtype == torch.bfloat16 for p in projections):
         return False
@@ -101,8 +107,7 @@ def float_mm_wanted(projections, load: bool = True) -> bool:
     (oneDNN's, :func:`~minigpt.infer.fastpath.kernels.fp32_gemm_library`) was 0.73x at 13 to 128 rows, 0.90x at
     245, 1.03x at 512; TinyLlama-1.1B's 0.77x at 13, 0.88x at 62, 0.94x at 245, 0.98x at 512 (docs/benchmarks.md,
     session 78)."""
-    choice = os.environ.get(FLOAT_MV_ENV, "").strip()
-    if choice == "0" or (choice != "1" and cpu_vendor() != "AuthenticAMD"):
+    if not _setting_allows():
         return False
     dtypes = {p.weight.dtype for p in projections if p.scale is None and p.weight is not None
               and p.weight.device.type == "cpu"}
